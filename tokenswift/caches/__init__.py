@@ -1,0 +1,1 @@
+"""Cache policies: which KV positions drafting forwards attend over."""

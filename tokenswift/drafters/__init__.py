@@ -1,0 +1,1 @@
+"""Drafters: propose branches below the root of each step's tree."""

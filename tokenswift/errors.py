@@ -1,0 +1,17 @@
+"""Exceptions users can catch. Each message names the bad value and what is valid."""
+
+
+class TokenswiftError(Exception):
+    """Base class of tokenswift's own errors."""
+
+
+class SpecError(TokenswiftError, ValueError):
+    """A spec, preset, component name or option is invalid."""
+
+
+class ModelLoadError(TokenswiftError, ValueError):
+    """A model or tokenizer could not be found or loaded."""
+
+
+class PluginError(TokenswiftError):
+    """A plugin failed to load or registered something invalid."""

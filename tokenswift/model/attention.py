@@ -1,0 +1,63 @@
+"""The attention function the runner registers with transformers.
+
+It is transformers' own SDPA path (which handles grouped KV heads and boolean 4-D
+masks) plus one optional extra: when the forward is called with a
+:class:`ScoreRecorder` as ``tokenswift_scores``, it records the attention
+probabilities of the last query over every key, summed over the query heads of each
+KV group. The dynamic cache policy ranks positions by these scores.
+
+Registered under the name ``"tokenswift"`` in both ``AttentionInterface`` and
+``AttentionMaskInterface`` (a custom attention name without a mask function silently
+gets no mask on multi-token steps).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+ATTENTION_NAME = "tokenswift"
+
+
+class ScoreRecorder:
+    """Collects, per layer, the last query's attention probabilities per KV head.
+
+    After a forward, ``scores[layer_idx]`` is a float32 tensor ``[kv_heads, K]``, K the
+    number of keys that query attended over (view or full store, plus new tokens).
+    """
+
+    def __init__(self) -> None:
+        self.scores: dict[int, torch.Tensor] = {}
+
+    def record(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, mask, scaling: float) -> None:
+        # query: [1, q_heads, n, D]; key: [1, kv_heads, K, D]; mask: [1, 1, n, K] bool or None
+        q_heads, kv_heads = query.shape[1], key.shape[1]
+        last_query = query[0, :, -1:, :].float()  # [q_heads, 1, D]
+        keys = key[0].float().repeat_interleave(q_heads // kv_heads, dim=0)  # [q_heads, K, D]
+        logits = (last_query @ keys.transpose(1, 2)).squeeze(1) * scaling  # [q_heads, K]
+        if mask is not None:
+            logits = logits.masked_fill(~mask[0, 0, -1].bool(), float("-inf"))
+        probs = logits.softmax(dim=-1)
+        self.scores[layer_idx] = probs.view(kv_heads, q_heads // kv_heads, -1).sum(dim=1)
+
+
+def tokenswift_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    recorder = kwargs.pop("tokenswift_scores", None)
+    if recorder is not None:
+        recorder.record(module.layer_idx, query, key, attention_mask, scaling if scaling is not None else query.shape[-1] ** -0.5)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+_registered = False
+
+
+def register_attention() -> str:
+    """Register the attention and mask functions (idempotent); return their name."""
+    global _registered
+    if not _registered:
+        AttentionInterface.register(ATTENTION_NAME, tokenswift_attention)
+        AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+        _registered = True
+    return ATTENTION_NAME

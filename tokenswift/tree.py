@@ -1,0 +1,109 @@
+"""Draft trees: the candidate tokens of one decoding step, arranged as a trie.
+
+Node 0 is the root: the last committed token, whose KV is not stored yet. Every other
+node is a proposed token; its parent is the node before it on its branch. Branches
+from the drafter and the retriever are merged into one trie, so the children of a
+node carry distinct tokens and the path that matches a sampled sequence is unique.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import attrs
+import torch
+
+DRAFTER = 0
+RETRIEVER = 1
+
+
+@attrs.define(eq=False, repr=False)
+class DraftTree:
+    """tokens[i], parents[i] (-1 for the root), depths[i] (0 for the root) and
+    sources[i] (DRAFTER or RETRIEVER; the first branch to add a node owns it)."""
+
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+    sources: list[int]
+    _children: list[dict[int, int]] = attrs.field(factory=list)
+
+    def __repr__(self) -> str:
+        return f"DraftTree(nodes={len(self.tokens)}, depth={max(self.depths)})"
+
+    @classmethod
+    def root_only(cls, root_token: int) -> DraftTree:
+        return cls(tokens=[int(root_token)], parents=[-1], depths=[0], sources=[DRAFTER], children=[{}])
+
+    @classmethod
+    def from_branches(cls, root_token: int, branches: Iterable[Sequence[int]], source: int = DRAFTER) -> DraftTree:
+        tree = cls.root_only(root_token)
+        tree.add_branches(branches, source)
+        return tree
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths)
+
+    def children(self, node: int) -> dict[int, int]:
+        """token -> child node index."""
+        return self._children[node]
+
+    def add_branch(self, branch: Sequence[int], source: int = DRAFTER, parent: int = 0) -> int:
+        """Add a token sequence below ``parent``, reusing existing nodes; return its last node."""
+        node = parent
+        for token in branch:
+            token = int(token)
+            child = self._children[node].get(token)
+            if child is None:
+                child = len(self.tokens)
+                self.tokens.append(token)
+                self.parents.append(node)
+                self.depths.append(self.depths[node] + 1)
+                self.sources.append(source)
+                self._children.append({})
+                self._children[node][token] = child
+            node = child
+        return node
+
+    def add_branches(self, branches: Iterable[Sequence[int]], source: int = DRAFTER) -> None:
+        for branch in branches:
+            self.add_branch(branch, source)
+
+    def path(self, node: int) -> list[int]:
+        """Node indices from the first node below the root down to ``node``."""
+        out = []
+        while node > 0:
+            out.append(node)
+            node = self.parents[node]
+        return out[::-1]
+
+    def path_tokens(self, node: int) -> list[int]:
+        return [self.tokens[i] for i in self.path(node)]
+
+    def leaves(self) -> list[int]:
+        return [i for i in range(len(self.tokens)) if not self._children[i]]
+
+    def paths(self) -> list[list[int]]:
+        """Root-to-leaf paths (node indices, root excluded)."""
+        return [self.path(leaf) for leaf in self.leaves()]
+
+    def mask(self, device=None) -> torch.Tensor:
+        """[n, n] bool: row i is True at i and at its ancestors."""
+        n = len(self.tokens)
+        mask = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(n):
+            mask[i, i] = True
+            parent = self.parents[i]
+            if parent >= 0:
+                mask[i] |= mask[parent]
+        return mask.to(device)
+
+    def token_tensor(self, device=None) -> torch.Tensor:
+        return torch.tensor(self.tokens, dtype=torch.long, device=device)
+
+    def depth_tensor(self, device=None) -> torch.Tensor:
+        return torch.tensor(self.depths, dtype=torch.long, device=device)

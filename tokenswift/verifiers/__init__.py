@@ -1,0 +1,1 @@
+"""Verifiers: walk the scored tree and decide what is accepted."""
