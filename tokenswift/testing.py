@@ -1,0 +1,75 @@
+"""Test helpers: tiny random models and reference decoding loops.
+
+Importable by plugin authors so that their components go through the same checks:
+
+    from tokenswift.testing import tiny_model_for, reference_generate
+    ref = reference_generate(model, prompt, 40, sampling=..., penalty=(1.2, 16), seed=0)
+    assert Pipeline.from_spec(my_spec, model).generate(prompt, 40, seed=0, ignore_eos=True).tokens == ref
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+from tokenswift.model.loading import tiny_model
+from tokenswift.sampling import Sampler
+from tokenswift.spec import SamplingSpec
+
+# Random models with the default init have nearly flat logits (argmax near-ties); a
+# large initializer_range makes them decisive.
+_COMMON = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=512,
+    initializer_range=0.5,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+
+TINY_CONFIGS: dict[str, dict] = {
+    "llama-mha": dict(_COMMON, model_type="llama", num_key_value_heads=4),
+    "llama-gqa": dict(_COMMON, model_type="llama", num_key_value_heads=2),
+    "qwen2": dict(_COMMON, model_type="qwen2", num_key_value_heads=2),
+    "mistral": dict(_COMMON, model_type="mistral", num_key_value_heads=2, sliding_window=None),
+}
+
+
+@functools.lru_cache(maxsize=16)
+def tiny_model_for(name: str, dtype: str = "float64", seed: int = 0) -> torch.nn.Module:
+    """A cached tiny random model from :data:`TINY_CONFIGS` (do not modify it)."""
+    return tiny_model(TINY_CONFIGS[name], seed=seed, dtype=dtype)
+
+
+@torch.inference_mode()
+def reference_generate(
+    model: torch.nn.Module,
+    prompt: list[int],
+    max_new_tokens: int,
+    *,
+    sampling: SamplingSpec = SamplingSpec(greedy=True),
+    penalty: tuple[float, int] | None = None,
+    seed: int = 0,
+) -> list[int]:
+    """Plain autoregressive decoding that recomputes the whole sequence every step
+    (no cache, no tree), with the windowed repetition penalty ``(value, window)`` and
+    the same warpers and random draws as the pipeline. EOS is ignored."""
+    sampler = Sampler(sampling, torch.Generator(device="cpu").manual_seed(seed))
+    penalise = RepetitionPenaltyLogitsProcessor(penalty[0]) if penalty and penalty[1] > 0 else None
+    tokens = list(prompt)
+    dtype = torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
+    for _ in range(max_new_tokens):
+        ids = torch.tensor([tokens])
+        scores = model(ids).logits[:, -1].to(dtype)
+        context = torch.tensor([tokens[-penalty[1] :]]) if penalise else ids
+        if penalise:
+            scores = penalise(context, scores)
+        scores = sampler.warp(context, scores)
+        tokens.append(sampler.draw(scores[0]))
+    return tokens[len(prompt) :]
