@@ -196,7 +196,8 @@ def plugin_origin(pm: pluggy.PluginManager, plugin: object) -> str:
 def build_registry(pm: pluggy.PluginManager) -> Registry:
     """Call every plugin's ``tokenswift_register_components`` with its own registrar."""
     registry = Registry()
-    for impl in reversed(pm.hook.tokenswift_register_components.get_hookimpls()):
+    # get_hookimpls() lists plugins in registration order: built-ins first.
+    for impl in pm.hook.tokenswift_register_components.get_hookimpls():
         origin = plugin_origin(pm, impl.plugin)
         try:
             impl.function(registrar=Registrar(registry, origin))

@@ -1,0 +1,206 @@
+"""The ``tokenswift`` command line. It owns the terminal: library code only logs.
+
+Bad input gives one line on stderr and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+from tokenswift.errors import PluginError, TokenswiftError
+
+DEFAULT_MODEL = "smollm2"
+DEFAULT_PRESET = "ar"
+DEFAULT_PROMPT_FILE = "wuthering_heights_opening.txt"
+EXIT_USAGE = 2
+
+
+class CliError(Exception):
+    """A user error the CLI reports in one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2, as for every other bad input
+        raise CliError(f"{message} (see {self.prog} --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="tokenswift", description="Lossless acceleration of ultra-long generation.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    gen = sub.add_parser("generate", help="generate text with a preset or spec")
+    which = gen.add_mutually_exclusive_group()
+    which.add_argument("--preset", help=f"a preset name (default {DEFAULT_PRESET!r})")
+    which.add_argument("--spec", help="a TOML spec file")
+    gen.add_argument("--model", help=f"model directory, .gguf file or packaged model (default {DEFAULT_MODEL!r})")
+    gen.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], help="model dtype (default: bfloat16)")
+    prompt = gen.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", help="prompt text")
+    prompt.add_argument("--prompt-file", help="read the prompt from a file")
+    gen.add_argument("--max-new-tokens", type=int, default=1024, help="new tokens to generate (default 1024)")
+    gen.add_argument("--seed", type=int, help="random seed (default: random, printed in the summary)")
+    gen.add_argument("--greedy", action="store_true", help="greedy decoding instead of the spec's sampling")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
+    gen.add_argument("--out", help="write the text to this file instead of the terminal")
+    gen.add_argument("--stats-json", help="also write the statistics as JSON to this file")
+    gen.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
+
+    sub.add_parser("components", help="list registered components and presets")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        if args.command == "generate":
+            return cmd_generate(args)
+        if args.command == "components":
+            return cmd_components()
+    except (CliError, TokenswiftError, ValueError, TypeError, OSError) as exc:
+        print(f"tokenswift: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("tokenswift: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+def _read_prompt(args) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    if args.prompt_file is not None:
+        path = Path(args.prompt_file)
+        try:
+            return path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise CliError(f"prompt file not found: {path}") from None
+        except UnicodeDecodeError:
+            raise CliError(f"prompt file is not UTF-8 text: {path}") from None
+    return resources.files("tokenswift.data").joinpath(DEFAULT_PROMPT_FILE).read_text(encoding="utf-8")
+
+
+def _spec_and_overrides(args):
+    from tokenswift.spec import load_toml
+
+    if args.spec:
+        spec = load_toml(args.spec)
+    else:
+        spec = {"preset": args.preset or DEFAULT_PRESET}
+    model = dict(spec.get("model") or {})
+    if args.model or not model:
+        model = {"path": args.model or DEFAULT_MODEL, "dtype": model.get("dtype", "bfloat16")}
+    if args.dtype:
+        model["dtype"] = args.dtype
+    overrides: dict = {"model": model}
+    if args.greedy:
+        overrides["sampling"] = {"greedy": True}
+    return spec, overrides
+
+
+class _Progress:
+    """A pluggy observer drawing a live progress line with tqdm."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, unit="tok", disable=not enabled, dynamic_ncols=True, leave=True, file=sys.stderr)
+
+    def __call__(self, step) -> None:
+        self.bar.update(len(step.emitted))
+        self.bar.set_postfix(
+            {"tok/s": f"{step.generated / max(step.seconds, 1e-9):.1f}", "tok/step": f"{step.generated / step.step:.2f}"},
+            refresh=False,
+        )
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def cmd_generate(args) -> int:
+    from tokenswift import Pipeline, hookimpl
+
+    if args.max_new_tokens <= 0:
+        raise CliError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
+    prompt = _read_prompt(args)
+    if not prompt.strip():
+        raise CliError("the prompt is empty")
+    spec, overrides = _spec_and_overrides(args)
+    pipe = Pipeline.from_spec(spec, overrides=overrides)
+
+    progress = _Progress(args.max_new_tokens, enabled=not args.quiet and args.out is not None)
+
+    class ProgressPlugin:
+        @hookimpl
+        def tokenswift_step_end(self, pipeline, step):
+            progress(step)
+
+    plugin = ProgressPlugin()
+    pipe.plugin_manager.register(plugin)
+    out_file = tmp_path = None
+    try:
+        if args.out:
+            out_path = Path(args.out)
+            fd, tmp_path = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".partial", dir=out_path.parent or ".")
+            out_file = os.fdopen(fd, "w", encoding="utf-8")
+
+        def stream(chunk):
+            if chunk.text:
+                target = out_file or sys.stdout
+                target.write(chunk.text)
+                target.flush()
+
+        result = pipe.generate(prompt, args.max_new_tokens, seed=args.seed, ignore_eos=args.ignore_eos, stream=stream)
+        if out_file is not None:
+            out_file.close()
+            os.replace(tmp_path, args.out)
+            tmp_path = None
+        else:
+            sys.stdout.write("\n")
+    finally:
+        progress.close()
+        pipe.plugin_manager.unregister(plugin)
+        if out_file is not None and not out_file.closed:
+            out_file.close()
+        if tmp_path is not None and os.path.exists(tmp_path):
+            os.unlink(tmp_path)
+
+    summary = {"preset": pipe.spec.preset, "seed": result.seed, **result.stats.summary()}
+    if args.stats_json:
+        Path(args.stats_json).write_text(json.dumps(summary, indent=2) + "\n")
+    if not args.quiet:
+        print(" ".join(f"{k}={v}" for k, v in summary.items()), file=sys.stderr)
+    return 0
+
+
+def cmd_components() -> int:
+    from tokenswift.registry import build_registry, get_plugin_manager
+
+    try:
+        registry = build_registry(get_plugin_manager())
+    except PluginError as exc:
+        raise CliError(str(exc)) from None
+    current = None
+    for info in registry.components():
+        if info.kind != current:
+            current = info.kind
+            print(f"{current}:")
+        options = ", ".join(f"{k}={v!r}" for k, v in info.option_defaults().items()) or "no options"
+        print(f"  {info.name:<16} [{info.origin}] {info.summary}")
+        print(f"  {'':<16} options: {options}")
+    print("presets:")
+    for name in sorted(registry.presets):
+        print(f"  {name:<16} [{registry.preset_origins[name]}]")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
