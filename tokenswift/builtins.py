@@ -4,21 +4,27 @@ from __future__ import annotations
 
 import pluggy
 
+from tokenswift.caches.dynamic import DynamicCache
 from tokenswift.caches.full import FullCache
+from tokenswift.caches.streaming import StreamingCache
+from tokenswift.drafters.medusa import MedusaDrafter
 from tokenswift.drafters.none import NoDrafter
+from tokenswift.drafters.tokenswift import TokenSwiftDrafter
 from tokenswift.penalties.contextual import ContextualPenalty
 from tokenswift.penalties.none import NoPenalty
 from tokenswift.presets import PRESETS
+from tokenswift.retrievers.ngram import NgramRetriever
 from tokenswift.retrievers.none import NoRetriever
+from tokenswift.retrievers.prompt_lookup import PromptLookupRetriever
 from tokenswift.verifiers.greedy import GreedyVerifier
 from tokenswift.verifiers.tree_sampling import TreeSamplingVerifier
 
 hookimpl = pluggy.HookimplMarker("tokenswift")
 
 COMPONENTS = {
-    "drafter": {"none": NoDrafter},
-    "retriever": {"none": NoRetriever},
-    "cache": {"full": FullCache},
+    "drafter": {"none": NoDrafter, "tokenswift": TokenSwiftDrafter, "medusa": MedusaDrafter},
+    "retriever": {"none": NoRetriever, "ngram": NgramRetriever, "prompt-lookup": PromptLookupRetriever},
+    "cache": {"full": FullCache, "dynamic": DynamicCache, "streaming": StreamingCache},
     "verifier": {"tree-sampling": TreeSamplingVerifier, "greedy": GreedyVerifier},
     "penalty": {"none": NoPenalty, "contextual": ContextualPenalty},
 }

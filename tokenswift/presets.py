@@ -1,20 +1,39 @@
-"""Built-in presets: named spec dicts that a spec can start from (``preset = "..."``)."""
+"""Built-in presets: named spec dicts that a spec can start from (``preset = "..."``).
+
+Every preset shares the paper's sampling setting (temperature 1.0, min-p 0.1,
+contextual penalty 1.2 over the last 1024 tokens), so that they are comparable and
+all emit the same distribution as ``ar``.
+"""
 
 from __future__ import annotations
 
-# The paper's sampling setting (temperature 1.0, min-p 0.1, contextual penalty 1.2 over
-# the last 1024 tokens), shared by every preset so that they are comparable.
 PAPER_SAMPLING = {"temperature": 1.0, "min_p": 0.1}
 PAPER_PENALTY = {"name": "contextual", "value": 1.2, "window": 1024}
 
-PRESETS: dict[str, dict] = {
-    # Plain autoregressive decoding: the reference every other preset must equal.
-    "ar": {
-        "drafter": {"name": "none"},
-        "retriever": {"name": "none"},
-        "cache": {"name": "full"},
+
+def _preset(drafter, retriever, cache):
+    return {
+        "drafter": drafter,
+        "retriever": retriever,
+        "cache": cache,
         "verifier": {"name": "tree-sampling"},
         "penalty": dict(PAPER_PENALTY),
         "sampling": dict(PAPER_SAMPLING),
-    },
+    }
+
+
+PRESETS: dict[str, dict] = {
+    # Plain autoregressive decoding: the reference every other preset must equal.
+    "ar": _preset({"name": "none"}, {"name": "none"}, {"name": "full"}),
+    # The paper's method: heads after an extra forward over a dynamic partial cache,
+    # tree [1, 3, 3, 3], 4-gram reuse (top 20), tree verification.
+    "tokenswift": _preset(
+        {"name": "tokenswift", "heads": "random", "tree": [1, 3, 3, 3]},
+        {"name": "ngram", "n": 4, "top_k": 20},
+        {"name": "dynamic", "budget": 4096, "sink": 16},
+    ),
+    # Medusa: the heads on the verify pass's hidden state; no extra forward, no reuse.
+    "medusa": _preset({"name": "medusa", "heads": "random", "tree": [3, 3, 3]}, {"name": "none"}, {"name": "full"}),
+    # Prompt lookup: no model-based drafts, the continuation of the latest match.
+    "prompt-lookup": _preset({"name": "none"}, {"name": "prompt-lookup"}, {"name": "full"}),
 }

@@ -148,6 +148,51 @@ class FullView(KVView):
         return store.keys[layer_idx][:, :, : self._length], store.values[layer_idx][:, :, : self._length]
 
 
+class CompactView(KVView):
+    """A view with its own buffers ``[1, kv_heads, capacity, head_dim]`` per layer:
+    filled once from chosen positions, then extended with newly committed positions.
+    Forwards over it read the buffers in place (no gather per step)."""
+
+    def __init__(self, store: KVStore, capacity: int) -> None:
+        shape = (1, store.kv_heads, capacity, store.head_dim)
+        like = store.keys[0]
+        self.keys = [torch.empty(shape, dtype=like.dtype, device=like.device) for _ in range(store.num_layers)]
+        self.values = [torch.empty(shape, dtype=like.dtype, device=like.device) for _ in range(store.num_layers)]
+        self.capacity = capacity
+        self._size = 0
+
+    def __repr__(self) -> str:
+        return f"CompactView(size={self._size}, capacity={self.capacity})"
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def load(self, store: KVStore, indices: torch.Tensor) -> None:
+        """Replace the contents with committed positions ``indices`` ([S] or [layers, kv_heads, S])."""
+        view = IndexView(indices)
+        if view.size > self.capacity:
+            raise ValueError(f"{view.size} positions do not fit a view of capacity {self.capacity}")
+        for layer in range(store.num_layers):
+            keys, values = view.layer_kv(store, layer)
+            self.keys[layer][:, :, : view.size] = keys
+            self.values[layer][:, :, : view.size] = values
+        self._size = view.size
+
+    def append(self, store: KVStore, start: int, end: int) -> None:
+        """Add committed positions ``[start, end)`` after the current contents."""
+        count = end - start
+        if self._size + count > self.capacity:
+            raise ValueError(f"appending {count} positions overflows a view of capacity {self.capacity}")
+        for layer in range(store.num_layers):
+            self.keys[layer][:, :, self._size : self._size + count] = store.keys[layer][:, :, start:end]
+            self.values[layer][:, :, self._size : self._size + count] = store.values[layer][:, :, start:end]
+        self._size += count
+
+    def layer_kv(self, store: KVStore, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[layer_idx][:, :, : self._size], self.values[layer_idx][:, :, : self._size]
+
+
 @attrs.define(eq=False)
 class ForwardPlan:
     """What the cache does with the new tokens of one forward."""

@@ -1,0 +1,89 @@
+"""What the ``tokenswift`` and ``medusa`` drafters share: heads, options, tree cutting."""
+
+from __future__ import annotations
+
+import logging
+
+import attrs
+import torch
+
+from tokenswift.drafters import template
+from tokenswift.drafters.heads import DraftHeads
+from tokenswift.errors import SpecError
+from tokenswift.interfaces import Drafter
+
+logger = logging.getLogger(__name__)
+
+
+def _heads_source(value):
+    if not isinstance(value, str) or not value:
+        raise SpecError(f"drafter.heads must be 'random' or a directory of saved heads, got {value!r}")
+    return value
+
+
+def _positive_int(name):
+    def convert(value):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise SpecError(f"drafter.{name} must be an integer >= 1, got {value!r}")
+        return value
+
+    return convert
+
+
+def _seed(value):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(f"drafter.seed must be an integer, got {value!r}")
+    return value
+
+
+class HeadDrafter(Drafter):
+    """Base of the head drafters. Subclasses give the per-depth ranked candidates."""
+
+    default_tree: list[int] = [1, 3, 3, 3]
+
+    @attrs.frozen(kw_only=True)
+    class Options:
+        heads: str = attrs.field(default="random", converter=_heads_source)
+        tree: list = attrs.field(default=None)
+        num_heads: int = attrs.field(default=3, converter=_positive_int("num_heads"))
+        seed: int = attrs.field(default=0, converter=_seed)
+
+    def __init__(self, options, context) -> None:
+        super().__init__(options, context)
+        runner = context.runner
+        self.runner = runner
+        if options.heads == "random":
+            self.heads = DraftHeads.random(runner.model, num_heads=options.num_heads, seed=options.seed)
+        else:
+            self.heads = DraftHeads.from_pretrained(options.heads, runner.model)
+        self.heads.eval()
+        tree = options.tree if options.tree is not None else self.default_tree
+        self.paths = template.index_paths(tree)
+        self.widths = template.depth_widths(self.paths)
+        if len(self.widths) > self.max_depth:
+            raise SpecError(
+                f"drafter.tree {tree!r} is {len(self.widths)} deep, but {self.name!r} with "
+                f"{self.heads.num_heads} heads drafts at most {self.max_depth} tokens ahead"
+            )
+        logger.info("%s drafter: %d heads, tree of %d nodes", self.name, self.heads.num_heads, len(self.paths))
+
+    name = "heads"
+
+    @property
+    def max_depth(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def max_tree_nodes(self) -> int:
+        return len(self.paths)
+
+    def _ranked(self, logits: torch.Tensor) -> list[list[int]]:
+        """logits: [depth, vocab] (one row per depth, deepest last) -> ranked tokens per depth."""
+        return [
+            row.topk(width).indices.tolist() for row, width in zip(logits[: len(self.widths)], self.widths)
+        ]
+
+    @torch.inference_mode()
+    def _head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [hidden_size] -> [num_heads, vocab]."""
+        return self.heads.logits(hidden, self.runner.lm_head)

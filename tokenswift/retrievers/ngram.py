@@ -1,0 +1,91 @@
+"""The ``ngram`` retriever: TokenSwift's token reuse.
+
+A table of the n-grams (n = 4) seen so far, keyed by their first token, with
+continuations ranked by count. For each depth-1 candidate of the drafter (or for the
+root when there is none) the ``top_k`` most frequent continuations become branches.
+
+An n-gram enters the table only once all its tokens have left the penalty window:
+tokens inside it are being penalised, so n-grams made of them would mostly be
+rejected (the paper's rule). The prompt is preloaded by the same rule.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter, defaultdict
+
+import attrs
+
+from tokenswift.errors import SpecError
+from tokenswift.interfaces import Retriever
+
+
+def _int_at_least(name, low):
+    def convert(value):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise SpecError(f"retriever.{name} must be an integer >= {low}, got {value!r}")
+        return value
+
+    return convert
+
+
+def _optional_window(value):
+    if value is None:
+        return None
+    return _int_at_least("window", 0)(value)
+
+
+class NgramRetriever(Retriever):
+    """Frequent n-grams of the text so far, keyed by their first token."""
+
+    @attrs.frozen(kw_only=True)
+    class Options:
+        n: int = attrs.field(default=4, converter=_int_at_least("n", 2))
+        top_k: int = attrs.field(default=20, converter=_int_at_least("top_k", 0))
+        keys: int = attrs.field(default=1, converter=_int_at_least("keys", 1))
+        window: int | None = attrs.field(default=None, converter=_optional_window)
+
+    def __init__(self, options, context) -> None:
+        super().__init__(options, context)
+        # n-grams join the table once they leave this many most recent tokens.
+        self.window = options.window if options.window is not None else self._penalty_window(context.spec)
+        self.table: dict[int, Counter] = defaultdict(Counter)
+        self.fed = 0  # n-grams starting before this index are in the table
+
+    @staticmethod
+    def _penalty_window(spec) -> int:
+        penalty = spec.penalty
+        if penalty.name != "contextual":
+            return 0
+        return int(penalty.options.get("window", 1024))
+
+    @property
+    def max_tree_nodes(self) -> int:
+        return self.options.keys * self.options.top_k * self.options.n
+
+    def start(self, state) -> None:
+        self.table = defaultdict(Counter)
+        self.fed = 0
+        self._feed(state.tokens)
+
+    def observe(self, state, new_tokens) -> None:
+        self._feed(state.tokens)
+
+    def _feed(self, tokens: list[int]) -> None:
+        n = self.options.n
+        limit = len(tokens) - self.window - n  # last start whose n-gram has left the window
+        for start in range(self.fed, limit + 1):
+            self.table[tokens[start]][tuple(tokens[start + 1 : start + n])] += 1
+        self.fed = max(self.fed, limit + 1)
+
+    def continuations(self, key: int) -> list[tuple[int, ...]]:
+        """The ``top_k`` most frequent continuations after ``key`` (ties: first seen)."""
+        counts = self.table.get(key)
+        if not counts or self.options.top_k == 0:
+            return []
+        return [c for c, _ in heapq.nlargest(self.options.top_k, counts.items(), key=lambda item: item[1])]
+
+    def retrieve(self, state, first_tokens):
+        if not first_tokens:
+            return [list(c) for c in self.continuations(state.tokens[-1])]
+        return [[key, *c] for key in first_tokens[: self.options.keys] for c in self.continuations(key)]
