@@ -47,6 +47,18 @@ def tiny_model_for(name: str, dtype: str = "float64", seed: int = 0) -> torch.nn
     return tiny_model(TINY_CONFIGS[name], seed=seed, dtype=dtype)
 
 
+@functools.lru_cache(maxsize=8)
+def looping_model(name: str = "llama-mha", dtype: str = "float64", seed: int = 0) -> torch.nn.Module:
+    """A tiny model whose attention output is zeroed, so each next token depends on the
+    current token only: greedy decoding falls into a short cycle, and drafts from the
+    text so far (n-grams, lookups) are really accepted. Still an unmodified architecture."""
+    model = tiny_model(TINY_CONFIGS[name], seed=seed, dtype=dtype)
+    with torch.no_grad():
+        for layer in model.get_decoder().layers:
+            layer.self_attn.o_proj.weight.zero_()
+    return model
+
+
 @torch.inference_mode()
 def reference_generate(
     model: torch.nn.Module,
@@ -73,3 +85,36 @@ def reference_generate(
         scores = sampler.warp(context, scores)
         tokens.append(sampler.draw(scores[0]))
     return tokens[len(prompt) :]
+
+
+@torch.inference_mode()
+def reference_tokens(pipe, prompt: list[int], max_new_tokens: int, seed: int) -> list[int]:
+    """What plain autoregressive decoding emits with ``pipe``'s own model, penalty and
+    sampling settings: the whole sequence recomputed every step, no KV store, no tree,
+    no drafts. EOS is ignored."""
+    model, penalty = pipe.model, pipe.penalty
+    sampler = Sampler(pipe.spec.sampling, torch.Generator(device="cpu").manual_seed(seed))
+    dtype = pipe.runner.logits_dtype
+    tokens = list(prompt)
+    for _ in range(max_new_tokens):
+        scores = model(torch.tensor([tokens])).logits[:, -1].to(dtype)
+        window = penalty.window
+        context = torch.tensor([tokens[-window:]]) if window else torch.empty(1, 0, dtype=torch.long)
+        scores = sampler.warp(context, penalty.apply(context, scores))
+        tokens.append(sampler.draw(scores[0]))
+    return tokens[len(prompt) :]
+
+
+def assert_lossless(pipe, prompt: list[int], max_new_tokens: int, seed: int = 0):
+    """Generate with ``pipe`` and check every token against :func:`reference_tokens`
+    (greedy: the identical sequence; sampling: the identical draws, since the pipeline
+    draws exactly one uniform per emitted token, in order). Returns the result."""
+    result = pipe.generate(prompt, max_new_tokens, seed=seed, ignore_eos=True)
+    expected = reference_tokens(pipe, prompt, max_new_tokens, seed)
+    if result.tokens != expected:
+        first = next(i for i, (a, b) in enumerate(zip(result.tokens, expected)) if a != b)
+        raise AssertionError(
+            f"{pipe!r} is not lossless: token {first} is {result.tokens[first]}, autoregressive decoding "
+            f"gives {expected[first]} (seed {seed}, prompt {prompt}, spec {pipe.spec.to_dict()})"
+        )
+    return result
