@@ -1,0 +1,213 @@
+"""Component behaviour: heads, tree templates, n-gram table, drafting caches."""
+
+import json
+
+import pytest
+import torch
+
+from tokenswift import ModelLoadError, Pipeline, SpecError
+from tokenswift.caches.dynamic import DynamicCache
+from tokenswift.drafters.heads import DraftHeads, model_fingerprint
+from tokenswift.drafters.template import index_paths
+from tokenswift.interfaces import DecodeState
+from tokenswift.model.kv import CompactView, FullView
+from tokenswift.testing import looping_model, tiny_model_for
+from tokenswift.tree import DraftTree
+
+# -- heads -------------------------------------------------------------------------
+
+
+def test_heads_round_trip_through_safetensors(tmp_path):
+    model = tiny_model_for("llama-gqa")
+    heads = DraftHeads.random(model, num_heads=3, seed=5, std=0.3)
+    heads.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").is_file()
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["num_heads"] == 3 and config["fingerprint"] == model_fingerprint(model)
+    loaded = DraftHeads.from_pretrained(tmp_path, model)
+    hidden = torch.randn(4, 32, dtype=torch.float64)
+    torch.testing.assert_close(loaded.logits(hidden, model.lm_head), heads.logits(hidden, model.lm_head))
+    assert heads.logits(hidden, model.lm_head).shape == (4, 3, 64)
+
+
+def test_heads_made_for_another_model_are_refused(tmp_path):
+    DraftHeads.random(tiny_model_for("llama-gqa")).save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="made for another model: fingerprint"):
+        DraftHeads.from_pretrained(tmp_path, tiny_model_for("llama-gqa", seed=1))
+    with pytest.raises(ModelLoadError, match="made for another model"):
+        Pipeline.from_spec({"preset": "tokenswift", "drafter": {"heads": str(tmp_path)}}, tiny_model_for("qwen2", seed=3))
+    with pytest.raises(ModelLoadError, match="no draft heads at"):
+        DraftHeads.from_pretrained(tmp_path / "missing")
+
+
+def test_identity_initialised_heads_repeat_the_lm_head_guess():
+    model = tiny_model_for("llama-mha")
+    heads = DraftHeads.for_model(model, num_heads=2)
+    hidden = torch.randn(3, 32, dtype=torch.float64)
+    per_head = heads.logits(hidden, model.lm_head).argmax(-1)
+    base = model.lm_head(hidden).argmax(-1)
+    assert torch.equal(per_head[:, 0], base) and torch.equal(per_head[:, 1], base)
+
+
+# -- trees and templates --------------------------------------------------------------
+
+
+def test_default_template_is_1_3_9_27():
+    paths = index_paths([1, 3, 3, 3])
+    assert [sum(len(p) == d for p in paths) for d in (1, 2, 3, 4)] == [1, 3, 9, 27]
+
+
+@pytest.mark.parametrize("bad", [[], [1, 0], "133", [[0], []], [[0, -1]], [1, [0]], 3])
+def test_malformed_templates(bad):
+    with pytest.raises(SpecError, match="drafter.tree"):
+        index_paths(bad)
+
+
+def test_template_deeper_than_the_heads_is_refused():
+    with pytest.raises(SpecError, match=r"is 5 deep, but 'tokenswift' with 3 heads drafts at most 4"):
+        Pipeline.from_spec({"preset": "tokenswift", "drafter": {"tree": [1, 1, 1, 1, 1]}}, tiny_model_for("llama-mha"))
+
+
+def test_draft_tree_merges_duplicate_branches_and_derives_mask_and_paths():
+    tree = DraftTree.from_branches(9, [[1, 2], [1, 3], [4]])
+    tree.add_branches([[1, 2, 5], [4]], source=1)
+    assert tree.tokens == [9, 1, 2, 3, 4, 5] and tree.parents == [-1, 0, 1, 1, 0, 2]
+    assert tree.depths == [0, 1, 2, 2, 1, 3] and tree.sources == [0, 0, 0, 0, 0, 1]
+    assert sorted(tree.paths()) == [[1, 2, 5], [1, 3], [4]]
+    mask = tree.mask()
+    assert mask[5].tolist() == [True, True, True, False, False, True]
+    assert mask[4].tolist() == [True, False, False, False, True, False]
+
+
+# -- n-gram table -----------------------------------------------------------------------
+
+
+def build(spec, model=None):
+    return Pipeline.from_spec(spec, model or tiny_model_for("llama-mha"))
+
+
+def test_ngram_table_holds_only_ngrams_that_left_the_penalty_window():
+    pipe = build({"preset": "tokenswift", "penalty": {"window": 4}})
+    retriever = pipe.retriever
+    tokens = [1, 2, 3, 4, 1, 2, 3, 5, 6, 7, 8, 9]
+    retriever.start(DecodeState(tokens=list(tokens), prompt_length=len(tokens), runner=pipe.runner))
+    # n-grams wholly before the last 4 tokens: starts 0..4 of tokens[:8]
+    assert retriever.fed == 5
+    assert retriever.continuations(1) == [(2, 3, 4), (2, 3, 5)]
+    assert retriever.continuations(6) == []
+    tokens += [10]
+    retriever.observe(DecodeState(tokens=tokens, prompt_length=12, runner=pipe.runner), [10])
+    assert retriever.continuations(2) == [(3, 4, 1), (3, 5, 6)]
+
+
+def test_ngram_ranks_by_count_and_keys_on_depth_one_candidates():
+    pipe = build({"preset": "tokenswift", "penalty": {"name": "none"}, "retriever": {"top_k": 2}})
+    tokens = [0, 7, 1, 1, 1, 7, 2, 2, 2, 7, 2, 2, 2, 7, 3, 3, 3, 0]
+    state = DecodeState(tokens=tokens, prompt_length=len(tokens), runner=pipe.runner)
+    pipe.retriever.start(state)
+    assert pipe.retriever.retrieve(state, [7]) == [[7, 2, 2, 2], [7, 1, 1, 1]]
+    assert pipe.retriever.retrieve(state, []) == [[7, 1, 1]]  # keyed on the root (token 0)
+
+
+def test_prompt_lookup_continues_the_latest_match():
+    pipe = build({"preset": "prompt-lookup", "retriever": {"num_tokens": 3}})
+    tokens = [5, 6, 7, 1, 5, 6, 8, 2, 9, 5, 6]
+    state = DecodeState(tokens=tokens, prompt_length=len(tokens), runner=pipe.runner)
+    assert pipe.retriever.retrieve(state, []) == [[8, 2, 9]]
+
+
+# -- drafting caches ---------------------------------------------------------------------
+
+
+def prefilled(model, tokens, capacity=64):
+    pipe = Pipeline.from_spec(
+        {"preset": "tokenswift", "cache": {"budget": 12, "sink": 2, "recent": 4}, "sampling": {"greedy": True}}, model
+    )
+    pipe.runner.allocate(capacity)
+    pipe.runner.prefill(torch.tensor(tokens[:-1]))
+    state = DecodeState(tokens=list(tokens), prompt_length=len(tokens), runner=pipe.runner)
+    pipe.cache_policy.start(state)
+    return pipe, state
+
+
+@pytest.mark.parametrize("arch", ["llama-mha", "llama-gqa", "qwen2"])
+def test_dynamic_selection_equals_brute_force_attention_top_k(arch):
+    model = tiny_model_for(arch)
+    tokens = torch.randint(0, 64, (30,), generator=torch.Generator().manual_seed(0)).tolist()
+    pipe, state = prefilled(model, tokens)
+    selected = pipe.cache_policy.select(state, pipe.runner.store.length)  # [layers, kv_heads, 8]
+    # Brute force: transformers' eager attention over the whole sequence, last row.
+    model.set_attn_implementation("eager")
+    try:
+        with torch.inference_mode():
+            attentions = model(torch.tensor([tokens]), output_attentions=True).attentions
+    finally:
+        model.set_attn_implementation("tokenswift")
+    kv_heads = model.config.num_key_value_heads
+    for layer, attention in enumerate(attentions):
+        last = attention[0, :, -1, : len(tokens) - 1]  # [q_heads, committed]
+        per_kv = last.view(kv_heads, -1, last.shape[-1]).sum(1)
+        expected = per_kv[:, 2:].topk(8 - 2, dim=-1).indices + 2
+        for head in range(kv_heads):
+            assert set(selected[layer, head, :2].tolist()) == {0, 1}
+            assert set(selected[layer, head, 2:].tolist()) == set(expected[head].tolist())
+
+
+def test_dynamic_view_adapts_to_short_prompts_then_refreshes_when_the_window_fills():
+    model = tiny_model_for("llama-gqa")
+    pipe, state = prefilled(model, list(range(1, 11)))  # 9 committed < budget 12
+    policy = pipe.cache_policy
+    assert isinstance(policy.drafting_view(state), FullView)
+    sizes, refreshes = [], []
+    for step in range(12):
+        pipe.runner.forward(torch.tensor([state.tokens[-1]]))
+        pipe.runner.commit([0])
+        state.tokens.append(step % 7)
+        view = policy.drafting_view(state)
+        sizes.append(view.size)
+        refreshes.append(policy.refreshes)
+    committed = [10 + i for i in range(12)]
+    assert [s for s, c in zip(sizes, committed) if c <= 12] == [c for c in committed if c <= 12]
+    # Beyond the budget: 8 selected + up to 4 recent, reselected when they are full.
+    assert sizes[3:] == [8, 9, 10, 11, 12, 8, 9, 10, 11]
+    assert refreshes[-1] == 2
+
+
+def test_compact_view_matches_an_index_gather():
+    model = tiny_model_for("llama-gqa")
+    pipe, state = prefilled(model, list(range(20)))
+    store = pipe.runner.store
+    view = CompactView(store, 10)
+    view.load(store, torch.tensor([0, 3, 4, 9]))
+    view.append(store, 15, 18)
+    keys, values = view.layer_kv(store, 1)
+    positions = torch.tensor([0, 3, 4, 9, 15, 16, 17])
+    assert torch.equal(keys, store.keys[1][:, :, positions]) and torch.equal(values, store.values[1][:, :, positions])
+
+
+@pytest.mark.parametrize("cache", ["full", "dynamic", "streaming"])
+def test_drafting_never_writes_into_the_full_kv(cache):
+    spec = {
+        "preset": "tokenswift",
+        "cache": {"name": cache} if cache == "full" else {"name": cache, "budget": 12, "sink": 2, "recent": 4},
+        "sampling": {"greedy": True},
+    }
+    pipe = Pipeline.from_spec(spec, looping_model())
+    tokens = list(range(1, 30))
+    pipe.runner.allocate(64)
+    pipe.runner.prefill(torch.tensor(tokens[:-1]))
+    state = DecodeState(tokens=tokens, prompt_length=len(tokens), runner=pipe.runner)
+    for component in (pipe.cache_policy, pipe.retriever, pipe.drafter):
+        component.start(state)
+    store = pipe.runner.store
+    before = [k.clone() for k in store.keys] + [v.clone() for v in store.values]
+    tree = pipe._propose(state)
+    assert len(tree) > 1 and store.staged == 0 and store.length == len(tokens) - 1
+    for old, new in zip(before, store.keys + store.values):
+        assert torch.equal(old, new)
+
+
+def test_dynamic_is_the_default_of_the_tokenswift_preset():
+    pipe = build("tokenswift")
+    assert isinstance(pipe.cache_policy, DynamicCache) and pipe.cache_policy.options.budget == 4096
+    assert pipe.max_tree_nodes() == 1 + 40 + 20 * 4
