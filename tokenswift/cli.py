@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--preset", help=f"a preset name (default {DEFAULT_PRESET!r})")
     which.add_argument("--spec", help="a TOML spec file")
     gen.add_argument("--model", help=f"model directory, .gguf file or packaged model (default {DEFAULT_MODEL!r})")
+    gen.add_argument("--heads", help="directory of trained draft heads (for the tokenswift and medusa drafters)")
     gen.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], help="model dtype (default: bfloat16)")
     prompt = gen.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help="prompt text")
@@ -60,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        _configure_logging(args)
         if args.command == "generate":
             return cmd_generate(args)
         if args.command == "components":
@@ -72,6 +73,16 @@ def main(argv: list[str] | None = None) -> int:
         print("tokenswift: interrupted", file=sys.stderr)
         return 130
     return 0
+
+
+def _configure_logging(args) -> None:
+    from transformers.utils import logging as hf_logging
+
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if not args.verbose:
+        hf_logging.set_verbosity_error()  # transformers' own notices are not the user's business
+    if getattr(args, "quiet", False):
+        hf_logging.disable_progress_bar()
 
 
 def _read_prompt(args) -> str:
@@ -103,6 +114,8 @@ def _spec_and_overrides(args):
     overrides: dict = {"model": model}
     if args.greedy:
         overrides["sampling"] = {"greedy": True}
+    if args.heads:
+        overrides["drafter"] = {"heads": args.heads}
     return spec, overrides
 
 

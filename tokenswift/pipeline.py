@@ -192,6 +192,8 @@ class Pipeline:
         if overrides:
             data = merge_overrides(data, overrides)
         spec_obj = PipelineSpec.from_dict(data, registry.presets)
+        for kind in COMPONENT_KINDS:  # fail on bad names/options before a slow model load
+            registry.make_options(kind, spec_obj.component(kind))
         if model is None:
             if spec_obj.model is None:
                 raise SpecError("no model: pass model= or give a [model] section with 'path' or 'tiny'")
