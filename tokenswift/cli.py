@@ -54,6 +54,23 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stats-json", help="also write the statistics as JSON to this file")
     gen.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
 
+    train = sub.add_parser("train-heads", help="train draft heads for a model on a JSON Lines corpus")
+    train.add_argument("--model", default=DEFAULT_MODEL, help=f"model to train heads for (default {DEFAULT_MODEL!r})")
+    train.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default="bfloat16")
+    train.add_argument("--data", required=True, help="JSON Lines file, one object with a 'text' key per line")
+    train.add_argument("--out", required=True, help="directory for the heads, checkpoints and training.json")
+    train.add_argument("--steps", type=int, default=600)
+    train.add_argument("--seq-len", type=int, default=512)
+    train.add_argument("--batch", type=int, default=4)
+    train.add_argument("--positions", type=int, default=128, help="positions per window the loss is taken on (0: all)")
+    train.add_argument("--lr", type=float, default=5e-3)
+    train.add_argument("--warmup", type=int, default=30)
+    train.add_argument("--num-heads", type=int, default=3)
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--checkpoint-every", type=int, default=50)
+    train.add_argument("--holdout", default="wuthering_heights", help="comma-separated book ids kept for evaluation")
+    train.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+
     sub.add_parser("components", help="list registered components and presets")
     return parser
 
@@ -66,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_generate(args)
         if args.command == "components":
             return cmd_components()
+        if args.command == "train-heads":
+            return cmd_train_heads(args, argv)
     except (CliError, TokenswiftError, ValueError, TypeError, OSError) as exc:
         print(f"tokenswift: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -191,6 +210,69 @@ def cmd_generate(args) -> int:
         Path(args.stats_json).write_text(json.dumps(summary, indent=2) + "\n")
     if not args.quiet:
         print(" ".join(f"{k}={v}" for k, v in summary.items()), file=sys.stderr)
+    return 0
+
+
+def cmd_train_heads(args, argv) -> int:
+    import shlex
+
+    from tqdm import tqdm
+
+    from tokenswift.drafters.training import TrainConfig, read_corpus, train_heads
+    from tokenswift.model.loading import load_model
+    from tokenswift.spec import ModelSpec
+
+    try:
+        config = TrainConfig(
+            steps=args.steps,
+            seq_len=args.seq_len,
+            batch=args.batch,
+            positions=args.positions,
+            lr=args.lr,
+            warmup=args.warmup,
+            num_heads=args.num_heads,
+            seed=args.seed,
+            checkpoint_every=args.checkpoint_every,
+            holdout=tuple(name.strip() for name in args.holdout.split(",") if name.strip()),
+        )
+    except ValueError as exc:
+        raise CliError(f"train-heads: {exc}") from None
+    model, tokenizer = load_model(ModelSpec(path=args.model, dtype=args.dtype))
+    if tokenizer is None:
+        raise CliError(f"train-heads needs a tokenizer, and none was found with {args.model}")
+    corpus = read_corpus(args.data, tokenizer, config.holdout)
+    print(
+        f"training {config.num_heads} heads on {len(corpus.train):,} tokens ({len(corpus.train_ids)} books); "
+        f"held out: {', '.join(corpus.held_out_ids)} ({len(corpus.held_out):,} tokens)",
+        file=sys.stderr,
+    )
+    bar = tqdm(total=config.steps, unit="step", file=sys.stderr, dynamic_ncols=True)
+
+    def progress(step, metrics):
+        bar.n = step
+        bar.set_postfix({"loss": f"{sum(metrics['loss']) / len(metrics['loss']):.3f}",
+                         "acc": "/".join(f"{a:.2f}" for a in metrics["acc"])})
+
+    if args.resume:
+        from tokenswift.drafters.training import CHECKPOINT
+
+        if not (Path(args.out) / CHECKPOINT).is_file():
+            raise CliError(f"--resume: no checkpoint in {args.out}")
+    def progress_and_close(step, metrics):
+        progress(step, metrics)
+        if step == config.steps:
+            bar.close()
+            print("evaluating on the held-out text...", file=sys.stderr)
+
+    record = train_heads(model, corpus, args.out, config, resume=args.resume, progress=progress_and_close)
+    record["command"] = "tokenswift " + shlex.join(argv if argv is not None else sys.argv[1:])
+    record["model"] = args.model
+    record["dtype"] = args.dtype
+    record["data"] = str(args.data)
+    Path(args.out, "training.json").write_text(json.dumps(record, indent=2) + "\n")
+    acc = record["held_out_accuracy"]
+    print(f"held-out accuracy: top-1 {acc['top1']}, top-3 {acc['top3']} (LM head top-1 {acc['lm_head_top1']}); "
+          f"{record['wall_seconds']:.0f} s", file=sys.stderr)
     return 0
 
 
