@@ -248,18 +248,24 @@ class Pipeline:
         return 1 + sum(component.max_tree_nodes for component in self._components)
 
     def _node_contexts(self, tokens: list[int], tree: DraftTree) -> torch.Tensor:
-        """[n, W] each node's last W context tokens: committed tokens then its path."""
+        """[n, W] each node's last W context tokens: the committed tokens, then its path
+        (ancestors below the root, then itself). Rows that are shorter than W (early in a
+        generation) are left-padded with their first token: a repeat penalises nothing new."""
         window = self.penalty.window
+        n = len(tree)
         if window == 0:
-            return torch.empty(len(tree), 0, dtype=torch.long)
-        tail = tokens[-window:]
-        rows = []
-        for node in range(len(tree)):
-            row = (tail + tree.path_tokens(node))[-window:]
-            rows.append(row)
-        width = max(len(row) for row in rows)
-        # Pad short rows by repeating their first token: a duplicate penalises nothing new.
-        return torch.tensor([[row[0]] * (width - len(row)) + row for row in rows], dtype=torch.long)
+            return torch.empty(n, 0, dtype=torch.long)
+        base = torch.tensor(tokens[-window:], dtype=torch.long)
+        deepest = tree.depth
+        rows = torch.empty(n, deepest + len(base), dtype=torch.long)
+        for node in range(n):
+            depth = tree.depths[node]
+            start = deepest - depth
+            rows[node, :start] = base[0]
+            rows[node, start : start + len(base)] = base
+            if depth:
+                rows[node, start + len(base) :] = torch.tensor(tree.path_tokens(node))
+        return rows[:, -window:]
 
     def generate(
         self,

@@ -47,6 +47,8 @@ def tokenswift_attention(module, query, key, value, attention_mask, dropout=0.0,
     recorder = kwargs.pop("tokenswift_scores", None)
     if recorder is not None:
         recorder.record(module.layer_idx, query, key, attention_mask, scaling if scaling is not None else query.shape[-1] ** -0.5)
+    if kwargs.pop("tokenswift_dense", False):
+        attention_mask = None  # every query sees every key: let SDPA pick a mask-free kernel
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 

@@ -105,6 +105,12 @@ class KVView(abc.ABC):
     def size(self) -> int:
         """S, the number of positions each KV head sees."""
 
+    def join(self, store: KVStore, layer_idx: int, keys: torch.Tensor, values: torch.Tensor):
+        """The view's keys/values with the new tokens' ``keys``/``values`` appended
+        ([1, kv_heads, S + n, head_dim]). Never writes into committed positions."""
+        view_keys, view_values = self.layer_kv(store, layer_idx)
+        return torch.cat([view_keys, keys], dim=2), torch.cat([view_values, values], dim=2)
+
 
 @attrs.define(eq=False, repr=False)
 class IndexView(KVView):
@@ -147,14 +153,24 @@ class FullView(KVView):
     def layer_kv(self, store: KVStore, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return store.keys[layer_idx][:, :, : self._length], store.values[layer_idx][:, :, : self._length]
 
+    def join(self, store: KVStore, layer_idx: int, keys: torch.Tensor, values: torch.Tensor):
+        # The new tokens go into staging (uncommitted, overwritten by the next full
+        # forward): a slice is returned instead of a copy of the whole context.
+        end = self._length + keys.shape[2]
+        if end > store.capacity:
+            return super().join(store, layer_idx, keys, values)
+        store.keys[layer_idx][:, :, self._length : end] = keys
+        store.values[layer_idx][:, :, self._length : end] = values
+        return store.keys[layer_idx][:, :, :end], store.values[layer_idx][:, :, :end]
+
 
 class CompactView(KVView):
     """A view with its own buffers ``[1, kv_heads, capacity, head_dim]`` per layer:
     filled once from chosen positions, then extended with newly committed positions.
     Forwards over it read the buffers in place (no gather per step)."""
 
-    def __init__(self, store: KVStore, capacity: int) -> None:
-        shape = (1, store.kv_heads, capacity, store.head_dim)
+    def __init__(self, store: KVStore, capacity: int, scratch: int = 8) -> None:
+        shape = (1, store.kv_heads, capacity + scratch, store.head_dim)
         like = store.keys[0]
         self.keys = [torch.empty(shape, dtype=like.dtype, device=like.device) for _ in range(store.num_layers)]
         self.values = [torch.empty(shape, dtype=like.dtype, device=like.device) for _ in range(store.num_layers)]
@@ -192,6 +208,14 @@ class CompactView(KVView):
     def layer_kv(self, store: KVStore, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[layer_idx][:, :, : self._size], self.values[layer_idx][:, :, : self._size]
 
+    def join(self, store: KVStore, layer_idx: int, keys: torch.Tensor, values: torch.Tensor):
+        end = self._size + keys.shape[2]
+        if end > self.keys[layer_idx].shape[2]:
+            return super().join(store, layer_idx, keys, values)
+        self.keys[layer_idx][:, :, self._size : end] = keys  # scratch room after the contents
+        self.values[layer_idx][:, :, self._size : end] = values
+        return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
+
 
 @attrs.define(eq=False)
 class ForwardPlan:
@@ -226,8 +250,7 @@ class StoreLayer(CacheLayerMixin):
             store.keys[self._layer_idx][:, :, start:end] = key_states
             store.values[self._layer_idx][:, :, start:end] = value_states
             return store.keys[self._layer_idx][:, :, :end], store.values[self._layer_idx][:, :, :end]
-        view_keys, view_values = plan.view.layer_kv(store, self._layer_idx)
-        return torch.cat([view_keys, key_states], dim=2), torch.cat([view_values, value_states], dim=2)
+        return plan.view.join(store, self._layer_idx, key_states, value_states)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0

@@ -155,6 +155,8 @@ class Runner:
         ).view(1, 1, n, prefix + n)
         self.cache.plan = ForwardPlan(view=view)
         extra = {} if recorder is None else {"tokenswift_scores": recorder}
+        if n == 1:
+            extra["tokenswift_dense"] = True  # a single query sees everything: no mask needed
         out = self.decoder(
             input_ids=tokens.view(1, n),
             attention_mask=mask,
