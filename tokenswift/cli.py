@@ -17,7 +17,7 @@ from pathlib import Path
 from tokenswift.errors import PluginError, TokenswiftError
 
 DEFAULT_MODEL = "smollm2"
-DEFAULT_PRESET = "ar"
+DEFAULT_PRESET = "tokenswift"
 DEFAULT_PROMPT_FILE = "wuthering_heights_opening.txt"
 EXIT_USAGE = 2
 
@@ -49,7 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=1024, help="new tokens to generate (default 1024)")
     gen.add_argument("--seed", type=int, help="random seed (default: random, printed in the summary)")
     gen.add_argument("--greedy", action="store_true", help="greedy decoding instead of the spec's sampling")
-    gen.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
+    gen.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="keep going past end-of-sequence tokens (default: on for the bundled prompt, off otherwise)",
+    )
     gen.add_argument("--out", help="write the text to this file instead of the terminal")
     gen.add_argument("--stats-json", help="also write the statistics as JSON to this file")
     gen.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
@@ -168,7 +173,10 @@ def cmd_generate(args) -> int:
     spec, overrides = _spec_and_overrides(args)
     pipe = Pipeline.from_spec(spec, overrides=overrides)
 
-    progress = _Progress(args.max_new_tokens, enabled=not args.quiet and args.out is not None)
+    # The live bar shares the terminal with streamed text only when the text goes elsewhere.
+    text_on_terminal = args.out is None and sys.stdout.isatty()
+    progress = _Progress(args.max_new_tokens, enabled=not args.quiet and not text_on_terminal)
+    ignore_eos = args.ignore_eos if args.ignore_eos is not None else (args.prompt is None and args.prompt_file is None)
 
     class ProgressPlugin:
         @hookimpl
@@ -190,7 +198,7 @@ def cmd_generate(args) -> int:
                 target.write(chunk.text)
                 target.flush()
 
-        result = pipe.generate(prompt, args.max_new_tokens, seed=args.seed, ignore_eos=args.ignore_eos, stream=stream)
+        result = pipe.generate(prompt, args.max_new_tokens, seed=args.seed, ignore_eos=ignore_eos, stream=stream)
         if out_file is not None:
             out_file.close()
             os.replace(tmp_path, args.out)

@@ -28,12 +28,12 @@ PRESETS: dict[str, dict] = {
     # The paper's method: heads after an extra forward over a dynamic partial cache,
     # tree [1, 3, 3, 3], 4-gram reuse (top 20), tree verification.
     "tokenswift": _preset(
-        {"name": "tokenswift", "heads": "random", "tree": [1, 3, 3, 3]},
+        {"name": "tokenswift", "heads": "auto", "tree": [1, 3, 3, 3]},
         {"name": "ngram", "n": 4, "top_k": 20},
         {"name": "dynamic", "budget": 4096, "sink": 16},
     ),
     # Medusa: the heads on the verify pass's hidden state; no extra forward, no reuse.
-    "medusa": _preset({"name": "medusa", "heads": "random", "tree": [3, 3, 3]}, {"name": "none"}, {"name": "full"}),
+    "medusa": _preset({"name": "medusa", "heads": "auto", "tree": [3, 3, 3]}, {"name": "none"}, {"name": "full"}),
     # Prompt lookup: no model-based drafts, the continuation of the latest match.
     "prompt-lookup": _preset({"name": "none"}, {"name": "prompt-lookup"}, {"name": "full"}),
 }

@@ -8,7 +8,7 @@ import attrs
 import torch
 
 from tokenswift.drafters import template
-from tokenswift.drafters.heads import DraftHeads
+from tokenswift.drafters.heads import DraftHeads, find_shipped_heads
 from tokenswift.errors import SpecError
 from tokenswift.interfaces import Drafter
 
@@ -17,7 +17,10 @@ logger = logging.getLogger(__name__)
 
 def _heads_source(value):
     if not isinstance(value, str) or not value:
-        raise SpecError(f"drafter.heads must be 'random' or a directory of saved heads, got {value!r}")
+        raise SpecError(
+            f"drafter.heads must be 'auto' (the shipped heads for this model), 'random', "
+            f"or a directory of saved heads; got {value!r}"
+        )
     return value
 
 
@@ -43,7 +46,7 @@ class HeadDrafter(Drafter):
 
     @attrs.frozen(kw_only=True)
     class Options:
-        heads: str = attrs.field(default="random", converter=_heads_source)
+        heads: str = attrs.field(default="auto", converter=_heads_source)
         tree: list = attrs.field(default=None)
         num_heads: int = attrs.field(default=3, converter=_positive_int("num_heads"))
         seed: int = attrs.field(default=0, converter=_seed)
@@ -52,10 +55,21 @@ class HeadDrafter(Drafter):
         super().__init__(options, context)
         runner = context.runner
         self.runner = runner
-        if options.heads == "random":
+        source = options.heads
+        if source == "auto":
+            shipped = find_shipped_heads(runner.model)
+            if shipped is None:
+                logger.warning(
+                    "no shipped draft heads match this model; using random heads (still lossless, but slow). "
+                    "Train some with `tokenswift train-heads` and pass drafter.heads = DIR."
+                )
+                source = "random"
+            else:
+                source = str(shipped)
+        if source == "random":
             self.heads = DraftHeads.random(runner.model, num_heads=options.num_heads, seed=options.seed)
         else:
-            self.heads = DraftHeads.from_pretrained(options.heads, runner.model)
+            self.heads = DraftHeads.from_pretrained(source, runner.model)
         self.heads.eval()
         tree = options.tree if options.tree is not None else self.default_tree
         self.paths = template.index_paths(tree)

@@ -43,6 +43,26 @@ def model_fingerprint(model: nn.Module) -> str:
     return digest.hexdigest()[:16]
 
 
+def shipped_heads_root() -> Path:
+    """Where heads shipped inside the package live: ``tokenswift/heads/<name>/``."""
+    return Path(__file__).resolve().parent.parent / "heads"
+
+
+def find_shipped_heads(model: nn.Module) -> Path | None:
+    """The shipped heads directory made for ``model`` (same fingerprint), if any."""
+    root = shipped_heads_root()
+    if not root.is_dir():
+        return None
+    fingerprint = model_fingerprint(model)
+    for config_path in sorted(root.glob(f"*/{CONFIG_NAME}")):
+        try:
+            if json.loads(config_path.read_text()).get("fingerprint") == fingerprint:
+                return config_path.parent
+        except (OSError, json.JSONDecodeError):
+            continue
+    return None
+
+
 @attrs.frozen(kw_only=True)
 class HeadsConfig:
     hidden_size: int

@@ -200,10 +200,10 @@ def train_heads(
         losses.mean().backward()
         optimizer.step()
         scheduler.step()
-        if progress is not None:
-            progress(step + 1, {"loss": losses.tolist(), "acc": accuracies.tolist()})
         if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
             _save_checkpoint(checkpoint_path, heads, optimizer, scheduler, generator, step + 1, time.perf_counter() - started)
+        if progress is not None:
+            progress(step + 1, {"loss": losses.tolist(), "acc": accuracies.tolist()})
     wall = time.perf_counter() - started
     heads.eval()
     metrics = evaluate(heads, model, corpus.held_out, config)

@@ -1,0 +1,88 @@
+"""Training heads: learning happens, checkpoints resume exactly, the CLI records the run."""
+
+import json
+
+import pytest
+import torch
+
+from tokenswift import Pipeline
+from tokenswift.cli import main
+from tokenswift.drafters.heads import DraftHeads
+from tokenswift.drafters.training import Corpus, TrainConfig, read_corpus, train_heads
+from tokenswift.testing import looping_model, tiny_model_for
+from tests.test_loading import word_tokenizer
+
+CONFIG = dict(seq_len=32, batch=4, positions=0, warmup=2, lr=1e-2, eval_windows=8, holdout=("held",))
+
+
+def cyclic_corpus():
+    """Text the looping model itself writes: a cycle that heads can learn to predict."""
+    pipe = Pipeline.from_spec("ar", looping_model(), overrides={"sampling": {"greedy": True}, "penalty": {"name": "none"}})
+    tokens = torch.tensor(pipe.generate([3, 1, 4], 300, ignore_eos=True).tokens)
+    return Corpus(train=tokens[:240], held_out=tokens[200:], train_ids=("loop",), held_out_ids=("held",))
+
+
+def test_training_teaches_the_heads(tmp_path):
+    model = looping_model()
+    record = train_heads(model, cyclic_corpus(), tmp_path, TrainConfig(steps=40, **CONFIG))
+    accuracy = record["held_out_accuracy"]
+    assert min(accuracy["top1"]) > 0.9, accuracy  # a deterministic cycle is learnable
+    heads = DraftHeads.from_pretrained(tmp_path, model)
+    assert heads.num_heads == 3
+    spec = {"preset": "tokenswift", "drafter": {"heads": str(tmp_path)}, "sampling": {"greedy": True}, "penalty": {"name": "none"}}
+    result = Pipeline.from_spec(spec, model).generate([3, 1, 4], 40, ignore_eos=True)
+    assert result.stats.tokens_per_step > 3  # trained heads are accepted
+
+
+def test_resume_continues_exactly(tmp_path):
+    model = tiny_model_for("llama-gqa")
+    corpus = Corpus(train=torch.arange(400) % 64, held_out=torch.arange(100) % 64, train_ids=("a",), held_out_ids=("held",))
+    straight = tmp_path / "straight"
+    train_heads(model, corpus, straight, TrainConfig(steps=8, checkpoint_every=4, **CONFIG))
+    resumed = tmp_path / "resumed"
+
+    def interrupt_at_step_6(step, metrics):
+        if step == 6:
+            raise KeyboardInterrupt  # steps 5-6 done, checkpoint at 4
+
+    with pytest.raises(KeyboardInterrupt):
+        train_heads(model, corpus, resumed, TrainConfig(steps=8, checkpoint_every=4, **CONFIG), progress=interrupt_at_step_6)
+    train_heads(model, corpus, resumed, TrainConfig(steps=8, checkpoint_every=4, **CONFIG), resume=True)
+    a = DraftHeads.from_pretrained(straight).state_dict()
+    b = DraftHeads.from_pretrained(resumed).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_read_corpus_holds_out_named_books(tmp_path):
+    data = tmp_path / "books.jsonl"
+    data.write_text(
+        json.dumps({"id": "one", "text": "the cat sat on the mat"}) + "\n"
+        + json.dumps({"id": "two", "text": "a dog sat"}) + "\n"
+    )
+    corpus = read_corpus(data, word_tokenizer(), ("two",))
+    assert corpus.train.tolist() == [1, 2, 3, 4, 1, 5] and corpus.held_out.tolist() == [6, 7, 3]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"title": "no text"}\n')
+    with pytest.raises(Exception, match=r"bad.jsonl:1: expected a JSON object with a 'text' key"):
+        read_corpus(bad, word_tokenizer(), ())
+
+
+def test_cli_train_heads_records_the_run(tmp_path, capsys):
+    model_dir = tmp_path / "model"
+    looping_model(dtype="float32").save_pretrained(model_dir)
+    word_tokenizer().save_pretrained(model_dir)
+    data = tmp_path / "books.jsonl"
+    text = " ".join(["the cat sat on the mat", "a dog sat on the cat"] * 40)
+    data.write_text(json.dumps({"id": "train", "text": text}) + "\n" + json.dumps({"id": "held", "text": text}) + "\n")
+    out = tmp_path / "heads"
+    argv = ["train-heads", "--model", str(model_dir), "--dtype", "float32", "--data", str(data), "--out", str(out),
+            "--steps", "4", "--seq-len", "32", "--batch", "2", "--holdout", "held", "--checkpoint-every", "2"]
+    assert main(argv) == 0
+    record = json.loads((out / "training.json").read_text())
+    assert record["command"].startswith("tokenswift train-heads --model")
+    assert record["held_out_books"] == ["held"] and len(record["held_out_accuracy"]["top3"]) == 3
+    assert (out / "model.safetensors").is_file() and (out / "checkpoint.pt").is_file()
+    assert main([*argv, "--steps", "6", "--resume"]) == 0
+    capsys.readouterr()
+    assert main(["train-heads", "--model", str(model_dir), "--data", str(data), "--out", str(tmp_path / "x"), "--resume"]) == 2
+    assert "no checkpoint" in capsys.readouterr().err
