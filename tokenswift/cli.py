@@ -11,14 +11,12 @@ import logging
 import os
 import sys
 import tempfile
-from importlib import resources
 from pathlib import Path
 
 from tokenswift.errors import PluginError, TokenswiftError
 
 DEFAULT_MODEL = "smollm2"
 DEFAULT_PRESET = "tokenswift"
-DEFAULT_PROMPT_FILE = "wuthering_heights_opening.txt"
 EXIT_USAGE = 2
 
 
@@ -76,6 +74,18 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--holdout", default="wuthering_heights", help="comma-separated book ids kept for evaluation")
     train.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
 
+    bench = sub.add_parser("bench", help="benchmark transformers generate against the presets, side by side")
+    bench.add_argument("--model", default=DEFAULT_MODEL)
+    bench.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default="bfloat16")
+    bench.add_argument("--heads", default="auto", help="heads for the tokenswift and medusa presets")
+    bench.add_argument("--prompt-tokens", type=int, default=2048)
+    bench.add_argument("--new-tokens", type=int, default=6144)
+    bench.add_argument("--quick", action="store_true", help="1,024 new tokens, for iteration")
+    bench.add_argument("--greedy", action="store_true", help="greedy decoding (reports identity with ar)")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--methods", help="comma-separated subset of: " + ", ".join(("hf-generate", "hf-prompt-lookup", "ar", "tokenswift", "medusa", "prompt-lookup")))
+    bench.add_argument("--out", default="bench-out", help="directory for bench.json, bench.md and bench.png")
+
     sub.add_parser("components", help="list registered components and presets")
     return parser
 
@@ -88,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_generate(args)
         if args.command == "components":
             return cmd_components()
+        if args.command == "bench":
+            return cmd_bench(args)
         if args.command == "train-heads":
             return cmd_train_heads(args, argv)
     except (CliError, TokenswiftError, ValueError, TypeError, OSError) as exc:
@@ -120,7 +132,9 @@ def _read_prompt(args) -> str:
             raise CliError(f"prompt file not found: {path}") from None
         except UnicodeDecodeError:
             raise CliError(f"prompt file is not UTF-8 text: {path}") from None
-    return resources.files("tokenswift.data").joinpath(DEFAULT_PROMPT_FILE).read_text(encoding="utf-8")
+    from tokenswift.prompts import demo_prompt
+
+    return demo_prompt()
 
 
 def _spec_and_overrides(args):
@@ -281,6 +295,38 @@ def cmd_train_heads(args, argv) -> int:
     acc = record["held_out_accuracy"]
     print(f"held-out accuracy: top-1 {acc['top1']}, top-3 {acc['top3']} (LM head top-1 {acc['lm_head_top1']}); "
           f"{record['wall_seconds']:.0f} s", file=sys.stderr)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from tqdm import tqdm
+
+    from tokenswift.bench import HF_METHODS, PRESET_METHODS, BenchConfig, markdown_table, run_bench, write_reports
+
+    methods = HF_METHODS + PRESET_METHODS
+    if args.methods:
+        methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+        unknown = [m for m in methods if m not in HF_METHODS + PRESET_METHODS]
+        if unknown:
+            raise CliError(f"unknown method(s) {unknown}; valid: {list(HF_METHODS + PRESET_METHODS)}")
+    new_tokens = 1024 if args.quick else args.new_tokens
+    if new_tokens <= 0 or args.prompt_tokens <= 0:
+        raise CliError("--new-tokens and --prompt-tokens must be positive")
+    config = BenchConfig(
+        model=args.model, dtype=args.dtype, heads=args.heads, prompt_tokens=args.prompt_tokens,
+        new_tokens=new_tokens, greedy=args.greedy, seed=args.seed, methods=methods,
+    )
+    bar = tqdm(total=new_tokens * len(methods), unit="tok", file=sys.stderr, dynamic_ncols=True)
+
+    def progress(method, count):
+        bar.set_description(method, refresh=False)
+        bar.update(count)
+
+    results, info = run_bench(config, progress)
+    bar.close()
+    paths = write_reports(results, info, args.out)
+    print(markdown_table(results), end="")
+    print(f"wrote {', '.join(str(p) for p in paths.values())}", file=sys.stderr)
     return 0
 
 

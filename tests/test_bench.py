@@ -1,0 +1,33 @@
+"""The benchmark runs every method on one model and writes JSON, markdown and a plot."""
+
+import json
+
+from tokenswift.bench import BenchConfig, WindowedRepetitionPenalty, distinct_n, run_bench, write_reports
+from tokenswift.testing import looping_model
+from tests.test_loading import word_tokenizer
+
+
+def test_bench_on_a_tiny_model(tmp_path):
+    config = BenchConfig(prompt_tokens=16, new_tokens=40, greedy=True, heads="random", window=8)
+    results, info = run_bench(config, model=looping_model(dtype="float32"), tokenizer=word_tokenizer())
+    by_method = {r.method: r for r in results}
+    assert list(by_method) == ["hf-generate", "hf-prompt-lookup", "ar", "tokenswift", "medusa", "prompt-lookup"]
+    for r in results:
+        assert r.error is None and r.new_tokens == 40 and r.tokens_per_second > 0 and r.speedup is not None
+    # Greedy: every method emits exactly what ar emits (transformers' included, same windowed penalty).
+    assert all(by_method[m].identical_to_ar == 1.0 for m in by_method)
+    assert by_method["hf-generate"].speedup == 1.0
+    paths = write_reports(results, info, tmp_path)
+    data = json.loads(paths["json"].read_text())
+    assert data["config"]["new_tokens"] == 40 and len(data["results"]) == 6
+    assert "| tokenswift |" in paths["markdown"].read_text()
+    assert paths["plot"].read_bytes()[:4] == b"\x89PNG"
+
+
+def test_distinct_n_and_windowed_penalty():
+    assert distinct_n([1, 2, 1, 2, 3], 1) == 3 / 5 and distinct_n([1, 2, 1, 2], 2) == 2 / 3
+    import torch
+
+    scores = torch.ones(1, 5)
+    out = WindowedRepetitionPenalty(2.0, 2)(torch.tensor([[0, 1, 2]]), scores.clone())
+    assert out.tolist() == [[1.0, 0.5, 0.5, 1.0, 1.0]]

@@ -1,0 +1,284 @@
+"""Side-by-side benchmark: transformers' generate (plain and prompt lookup) and our
+presets, on one loaded model, one prompt and one sampling setting, in one process.
+
+Speed is reported as ratios to transformers ``generate()`` measured in the same run.
+transformers' repetition penalty has no window, so the baseline gets the same
+windowed penalty as a ``LogitsProcessor`` (:class:`WindowedRepetitionPenalty`): every
+method then samples from the same distribution.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import attrs
+import torch
+from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+from transformers.generation.streamers import BaseStreamer
+
+logger = logging.getLogger(__name__)
+
+HF_METHODS = ("hf-generate", "hf-prompt-lookup")
+PRESET_METHODS = ("ar", "tokenswift", "medusa", "prompt-lookup")
+BLOCK = 1000
+
+
+@attrs.frozen(kw_only=True)
+class BenchConfig:
+    model: str = "smollm2"
+    dtype: str = "bfloat16"
+    heads: str = "auto"
+    prompt_tokens: int = 2048
+    new_tokens: int = 6144
+    greedy: bool = False
+    temperature: float = 1.0
+    min_p: float = 0.1
+    penalty: float = 1.2
+    window: int = 1024
+    seed: int = 0
+    methods: tuple[str, ...] = HF_METHODS + PRESET_METHODS
+
+
+@attrs.frozen(kw_only=True)
+class MethodResult:
+    method: str
+    new_tokens: int
+    seconds: float
+    tokens_per_second: float
+    speedup: float | None  # vs hf-generate in the same run
+    tokens_per_step: float | None
+    acceptance_rate: float | None
+    peak_rss_mib: float
+    block_ms_per_token: list[float]  # per successive 1K-token block
+    identical_to_ar: float | None  # greedy runs: fraction of tokens equal to the ar run
+    distinct: list[float]  # distinct-1..4
+    curve: list[tuple[int, float]]  # (generated, cumulative tokens/s)
+    error: str | None = None
+
+
+class WindowedRepetitionPenalty(LogitsProcessor):
+    """transformers' repetition penalty, applied to the last ``window`` tokens only."""
+
+    def __init__(self, penalty: float, window: int) -> None:
+        self.window = window
+        self.inner = RepetitionPenaltyLogitsProcessor(penalty=penalty)
+
+    def __call__(self, input_ids, scores):
+        return self.inner(input_ids[:, -self.window :], scores) if self.window else scores
+
+
+class _TokenClock(BaseStreamer):
+    """Timestamps each token transformers' generate emits."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value):
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.times.extend([time.perf_counter()] * int(value.numel()))
+
+    def end(self):
+        pass
+
+
+def distinct_n(tokens: list[int], n: int) -> float:
+    grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 0.0
+
+
+def _agreement(tokens: list[int], reference: list[int]) -> float:
+    """Fraction of positions where ``tokens`` equals ``reference``."""
+    return sum(a == b for a, b in zip(tokens, reference)) / max(len(reference), 1)
+
+
+def _reset_peak_rss() -> None:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def _peak_rss_mib() -> float:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _timing(stamps: list[float], start: float) -> tuple[list[float], list[tuple[int, float]]]:
+    blocks, curve = [], []
+    previous = start
+    for b in range(0, len(stamps), BLOCK):
+        block = stamps[b : b + BLOCK]
+        blocks.append(round(1000 * (block[-1] - previous) / len(block), 2))
+        previous = block[-1]
+    step = max(1, len(stamps) // 64)
+    for i in range(step - 1, len(stamps), step):
+        curve.append((i + 1, round((i + 1) / max(stamps[i] - start, 1e-9), 3)))
+    return blocks, curve
+
+
+def _sampling_spec(config: BenchConfig) -> dict:
+    return {"greedy": True} if config.greedy else {"temperature": config.temperature, "min_p": config.min_p}
+
+
+def run_bench(
+    config: BenchConfig,
+    progress: Callable[[str, int], None] | None = None,
+    *,
+    model=None,
+    tokenizer=None,
+) -> tuple[list[MethodResult], dict]:
+    """Run every method in turn on the same model and prompt; return results and run info.
+    ``model``/``tokenizer`` replace loading ``config.model`` (tests)."""
+    from tokenswift import Pipeline, hookimpl
+    from tokenswift.model.loading import load_model
+    from tokenswift.prompts import prompt_ids
+    from tokenswift.spec import ModelSpec
+
+    if model is None:
+        model, tokenizer = load_model(ModelSpec(path=config.model, dtype=config.dtype))
+    prompt = prompt_ids(tokenizer, config.prompt_tokens)
+    results: list[MethodResult] = []
+    outputs: dict[str, list[int]] = {}
+    for method in config.methods:
+        _reset_peak_rss()
+        started = time.perf_counter()
+        stamps: list[float] = []
+        stats = None
+        error = None
+        try:
+            if method in HF_METHODS:
+                clock = _TokenClock()
+                torch.manual_seed(config.seed)
+                ids = torch.tensor([prompt])
+                kwargs = dict(
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=config.new_tokens,
+                    min_new_tokens=config.new_tokens,
+                    do_sample=not config.greedy,
+                    logits_processor=LogitsProcessorList([WindowedRepetitionPenalty(config.penalty, config.window)]),
+                    streamer=clock,
+                    pad_token_id=tokenizer.eos_token_id,
+                )
+                if not config.greedy:
+                    kwargs.update(temperature=config.temperature, min_p=config.min_p, top_k=0, top_p=1.0)
+                if method == "hf-prompt-lookup":
+                    kwargs["prompt_lookup_num_tokens"] = 10
+                with torch.inference_mode():
+                    out = model.generate(ids, **kwargs)
+                tokens = out[0, len(prompt) :].tolist()
+                stamps = clock.times
+                if progress:
+                    progress(method, len(tokens))
+            else:
+                spec = {
+                    "preset": method,
+                    "penalty": {"name": "contextual", "value": config.penalty, "window": config.window},
+                    "sampling": _sampling_spec(config),
+                }
+                if method in ("tokenswift", "medusa"):
+                    spec["drafter"] = {"heads": config.heads}
+                pipe = Pipeline.from_spec(spec, model, tokenizer)
+
+                class Clock:
+                    @hookimpl
+                    def tokenswift_step_end(self, pipeline, step):
+                        stamps.extend([time.perf_counter()] * len(step.emitted))
+                        if progress:
+                            progress(method, len(step.emitted))
+
+                pipe.plugin_manager.register(Clock())
+                started = time.perf_counter()
+                result = pipe.generate(prompt, config.new_tokens, seed=config.seed, ignore_eos=True)
+                tokens, stats = result.tokens, result.stats
+        except Exception as exc:  # a baseline that transformers refuses is reported, not fatal
+            logger.warning("%s failed: %s", method, exc)
+            error = f"{type(exc).__name__}: {exc}"
+            tokens = []
+        seconds = time.perf_counter() - started
+        outputs[method] = tokens
+        blocks, curve = _timing(stamps, started) if stamps else ([], [])
+        results.append(
+            MethodResult(
+                method=method,
+                new_tokens=len(tokens),
+                seconds=round(seconds, 2),
+                tokens_per_second=round(len(tokens) / seconds, 3) if tokens else 0.0,
+                speedup=None,
+                tokens_per_step=round(stats.tokens_per_step, 3) if stats else None,
+                acceptance_rate=round(stats.acceptance_rate, 3) if stats else None,
+                peak_rss_mib=round(_peak_rss_mib(), 1),
+                block_ms_per_token=blocks,
+                identical_to_ar=None,
+                distinct=[round(distinct_n(tokens, n), 4) for n in (1, 2, 3, 4)],
+                curve=curve,
+                error=error,
+            )
+        )
+    base = next((r for r in results if r.method == "hf-generate" and r.tokens_per_second), None)
+    if base is not None:
+        results = [attrs.evolve(r, speedup=round(r.tokens_per_second / base.tokens_per_second, 3)) for r in results]
+    reference = outputs.get("ar")
+    if config.greedy and reference:
+        results = [
+            attrs.evolve(r, identical_to_ar=round(_agreement(outputs[r.method], reference), 4)) if outputs[r.method] else r
+            for r in results
+        ]
+    info = {"config": attrs.asdict(config), "torch": torch.__version__, "threads": torch.get_num_threads()}
+    return results, info
+
+
+def markdown_table(results: list[MethodResult]) -> str:
+    head = "| method | tok/s | vs generate | tok/step | accept | peak RSS MiB | ms/tok per 1K block | same as ar | distinct-1/2/3/4 |"
+    lines = [head, "|" + "---|" * 9]
+    for r in results:
+        fmt = lambda v: "–" if v is None else str(v)  # noqa: E731
+        lines.append(
+            f"| {r.method} | {r.tokens_per_second} | {fmt(r.speedup)} | {fmt(r.tokens_per_step)} | "
+            f"{fmt(r.acceptance_rate)} | {r.peak_rss_mib} | {' / '.join(map(str, r.block_ms_per_token))} | "
+            f"{fmt(r.identical_to_ar)} | {' / '.join(map(str, r.distinct))} |"
+            + (f" error: {r.error}" if r.error else "")
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_reports(results: list[MethodResult], info: dict, out_dir: str | Path) -> dict[str, Path]:
+    """bench.json, bench.md and bench.png in ``out_dir``."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / "bench.json", "markdown": out_dir / "bench.md", "plot": out_dir / "bench.png"}
+    paths["json"].write_text(json.dumps({**info, "results": [attrs.asdict(r) for r in results]}, indent=2) + "\n")
+    paths["markdown"].write_text(markdown_table(results))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for r in results:
+        if r.curve:
+            xs, ys = zip(*r.curve)
+            ax.plot(xs, ys, label=r.method)
+    cfg = info["config"]
+    ax.set_xlabel("generated tokens")
+    ax.set_ylabel("tokens / s (cumulative)")
+    ax.set_title(f"{cfg['model']} {cfg['dtype']}, {cfg['prompt_tokens']}-token prompt, {'greedy' if cfg['greedy'] else 'sampling'}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(paths["plot"], dpi=110)
+    plt.close(fig)
+    return paths
