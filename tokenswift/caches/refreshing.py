@@ -18,26 +18,16 @@ import torch
 from tokenswift.errors import SpecError
 from tokenswift.interfaces import CachePolicy
 from tokenswift.model.kv import CompactView, FullView
+from tokenswift.options import int_at_least
 
 logger = logging.getLogger(__name__)
 
 
-def _int_at_least(name, low):
-    def convert(value):
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise SpecError(f"cache.{name} must be an integer >= {low}, got {value!r}")
-        return value
-
-    return convert
-
-
 @attrs.frozen(kw_only=True)
 class RefreshingOptions:
-    budget: int = attrs.field(default=4096, converter=_int_at_least("budget", 2))
-    sink: int = attrs.field(default=16, converter=_int_at_least("sink", 0))
-    recent: int | None = attrs.field(default=None, converter=_int_at_least("recent", 1))
+    budget: int = attrs.field(default=4096, converter=int_at_least("cache.budget", 2))
+    sink: int = attrs.field(default=16, converter=int_at_least("cache.sink", 0))
+    recent: int | None = attrs.field(default=None, converter=int_at_least("cache.recent", 1, optional=True))
 
     def __attrs_post_init__(self):
         if self.recent_size >= self.budget - self.sink:

@@ -11,6 +11,7 @@ from tokenswift.drafters import template
 from tokenswift.drafters.heads import DraftHeads, find_shipped_heads
 from tokenswift.errors import SpecError
 from tokenswift.interfaces import Drafter
+from tokenswift.options import int_at_least
 
 logger = logging.getLogger(__name__)
 
@@ -22,15 +23,6 @@ def _heads_source(value):
             f"or a directory of saved heads; got {value!r}"
         )
     return value
-
-
-def _positive_int(name):
-    def convert(value):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise SpecError(f"drafter.{name} must be an integer >= 1, got {value!r}")
-        return value
-
-    return convert
 
 
 def _seed(value):
@@ -48,7 +40,7 @@ class HeadDrafter(Drafter):
     class Options:
         heads: str = attrs.field(default="auto", converter=_heads_source)
         tree: list = attrs.field(default=None)
-        num_heads: int = attrs.field(default=3, converter=_positive_int("num_heads"))
+        num_heads: int = attrs.field(default=3, converter=int_at_least("drafter.num_heads", 1))
         seed: int = attrs.field(default=0, converter=_seed)
 
     def __init__(self, options, context) -> None:

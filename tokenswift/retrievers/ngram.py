@@ -16,23 +16,8 @@ from collections import Counter, defaultdict
 
 import attrs
 
-from tokenswift.errors import SpecError
 from tokenswift.interfaces import Retriever
-
-
-def _int_at_least(name, low):
-    def convert(value):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise SpecError(f"retriever.{name} must be an integer >= {low}, got {value!r}")
-        return value
-
-    return convert
-
-
-def _optional_window(value):
-    if value is None:
-        return None
-    return _int_at_least("window", 0)(value)
+from tokenswift.options import int_at_least
 
 
 class NgramRetriever(Retriever):
@@ -40,10 +25,10 @@ class NgramRetriever(Retriever):
 
     @attrs.frozen(kw_only=True)
     class Options:
-        n: int = attrs.field(default=4, converter=_int_at_least("n", 2))
-        top_k: int = attrs.field(default=20, converter=_int_at_least("top_k", 0))
-        keys: int = attrs.field(default=1, converter=_int_at_least("keys", 1))
-        window: int | None = attrs.field(default=None, converter=_optional_window)
+        n: int = attrs.field(default=4, converter=int_at_least("retriever.n", 2))
+        top_k: int = attrs.field(default=20, converter=int_at_least("retriever.top_k", 0))
+        keys: int = attrs.field(default=1, converter=int_at_least("retriever.keys", 1))
+        window: int | None = attrs.field(default=None, converter=int_at_least("retriever.window", 0, optional=True))
 
     def __init__(self, options, context) -> None:
         super().__init__(options, context)

@@ -12,15 +12,7 @@ import torch
 
 from tokenswift.errors import SpecError
 from tokenswift.interfaces import Retriever
-
-
-def _int_at_least(name, low):
-    def convert(value):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise SpecError(f"retriever.{name} must be an integer >= {low}, got {value!r}")
-        return value
-
-    return convert
+from tokenswift.options import int_at_least
 
 
 class PromptLookupRetriever(Retriever):
@@ -28,9 +20,9 @@ class PromptLookupRetriever(Retriever):
 
     @attrs.frozen(kw_only=True)
     class Options:
-        max_ngram: int = attrs.field(default=3, converter=_int_at_least("max_ngram", 1))
-        min_ngram: int = attrs.field(default=1, converter=_int_at_least("min_ngram", 1))
-        num_tokens: int = attrs.field(default=10, converter=_int_at_least("num_tokens", 1))
+        max_ngram: int = attrs.field(default=3, converter=int_at_least("retriever.max_ngram", 1))
+        min_ngram: int = attrs.field(default=1, converter=int_at_least("retriever.min_ngram", 1))
+        num_tokens: int = attrs.field(default=10, converter=int_at_least("retriever.num_tokens", 1))
 
         def __attrs_post_init__(self):
             if self.min_ngram > self.max_ngram:

@@ -1,0 +1,20 @@
+"""Converters for component options: values from TOML, dicts or the CLI, checked with
+messages that name the option, the bad value and what is valid."""
+
+from __future__ import annotations
+
+from tokenswift.errors import SpecError
+
+
+def int_at_least(option: str, low: int, *, optional: bool = False):
+    """An attrs converter accepting integers >= ``low`` (and None when ``optional``).
+    ``option`` is the dotted name used in messages, e.g. ``"retriever.top_k"``."""
+
+    def convert(value):
+        if value is None and optional:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise SpecError(f"{option} must be an integer >= {low}, got {value!r}")
+        return value
+
+    return convert
