@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from tokenswift.model.kv import KVView
     from tokenswift.model.runner import ForwardOutput, Runner
     from tokenswift.sampling import Sampler
+    from tokenswift.scoring import NodeScores
     from tokenswift.spec import PipelineSpec
     from tokenswift.tree import DraftTree
 
@@ -129,5 +130,6 @@ class Penalty(Component):
 
 class Verifier(Component):
     @abc.abstractmethod
-    def verify(self, tree: DraftTree, scores: torch.Tensor, sampler: Sampler) -> Verdict:
-        """scores: [n, vocab] processed logits (penalty and warpers applied) of every node."""
+    def verify(self, tree: DraftTree, scores: NodeScores, sampler: Sampler) -> Verdict:
+        """``scores[node]`` gives a node's processed logits ([vocab]: penalty and warpers
+        applied with that node's own context), computed on first use."""

@@ -5,7 +5,8 @@ One step (see DESIGN.md):
 1. propose   the drafter (over the cache policy's view) and the retriever give
              branches; they are merged into one :class:`~tokenswift.tree.DraftTree`;
 2. score     one forward of the tree over the full KV gives every node's logits;
-3. transform penalty and warpers, per node, with that node's own context;
+3. transform penalty and warpers, per node, with that node's own context (on demand:
+             only for the nodes the verifier visits);
 4. verify    the verifier walks the tree: accepted path + bonus token;
 5. commit    the full KV keeps the root and the accepted path;
 6. observe   components and hooks see the new tokens.
@@ -31,6 +32,7 @@ from tokenswift.model.loading import load_model
 from tokenswift.model.runner import Runner
 from tokenswift.registry import PluginManager, Registry, build_registry, get_plugin_manager
 from tokenswift.sampling import Sampler
+from tokenswift.scoring import NodeScores
 from tokenswift.spec import COMPONENT_KINDS, PipelineSpec, load_toml, merge_overrides
 from tokenswift.tree import RETRIEVER, DraftTree
 
@@ -247,26 +249,6 @@ class Pipeline:
     def max_tree_nodes(self) -> int:
         return 1 + sum(component.max_tree_nodes for component in self._components)
 
-    def _node_contexts(self, tokens: list[int], tree: DraftTree) -> torch.Tensor:
-        """[n, W] each node's last W context tokens: the committed tokens, then its path
-        (ancestors below the root, then itself). Rows that are shorter than W (early in a
-        generation) are left-padded with their first token: a repeat penalises nothing new."""
-        window = self.penalty.window
-        n = len(tree)
-        if window == 0:
-            return torch.empty(n, 0, dtype=torch.long)
-        base = torch.tensor(tokens[-window:], dtype=torch.long)
-        deepest = tree.depth
-        rows = torch.empty(n, deepest + len(base), dtype=torch.long)
-        for node in range(n):
-            depth = tree.depths[node]
-            start = deepest - depth
-            rows[node, :start] = base[0]
-            rows[node, start : start + len(base)] = base
-            if depth:
-                rows[node, start + len(base) :] = torch.tensor(tree.path_tokens(node))
-        return rows[:, -window:]
-
     def generate(
         self,
         prompt: str | list[int] | torch.Tensor,
@@ -310,9 +292,12 @@ class Pipeline:
             counter.stage["propose"] += now - clock
             clock = now
 
-            output = runner.forward(tree.token_tensor(), tree_mask=tree.mask(), depths=tree.depth_tensor())
-            contexts = self._node_contexts(state.tokens, tree)
-            scores = sampler.warp(contexts, self.penalty.apply(contexts, output.logits))
+            output = runner.forward(
+                tree.token_tensor(), tree_mask=tree.mask(), depths=tree.depth_tensor(), logits_rows=None
+            )
+            scores = NodeScores(
+                tree, output.hidden, runner.lm_head, self.penalty, sampler, state.tokens, runner.logits_dtype
+            )
             now = time.perf_counter()
             counter.stage["score"] += now - clock
             clock = now

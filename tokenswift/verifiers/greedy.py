@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from tokenswift.errors import SpecError
 from tokenswift.interfaces import Verdict, Verifier
 from tokenswift.sampling import Sampler
@@ -21,11 +19,13 @@ class GreedyVerifier(Verifier):
                 "for sampling use verifier 'tree-sampling' (lossless under sampling)"
             )
 
-    def verify(self, tree: DraftTree, scores: torch.Tensor, sampler: Sampler) -> Verdict:
-        best = scores.argmax(dim=-1).tolist()  # [n]: one host sync for the whole tree
+    def verify(self, tree: DraftTree, scores, sampler: Sampler) -> Verdict:
         accepted: list[int] = []
         node = 0
-        while (child := tree.children(node).get(best[node])) is not None:
+        while True:
+            best = int(scores[node].argmax())
+            child = tree.children(node).get(best)
+            if child is None:
+                return Verdict(accepted=accepted, bonus=best)
             accepted.append(child)
             node = child
-        return Verdict(accepted=accepted, bonus=best[node])

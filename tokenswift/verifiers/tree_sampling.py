@@ -12,8 +12,6 @@ which favours drafted tokens; see the tests for a demonstration of that bias.)
 
 from __future__ import annotations
 
-import torch
-
 from tokenswift.interfaces import Verdict, Verifier
 from tokenswift.sampling import Sampler
 from tokenswift.tree import DraftTree
@@ -22,7 +20,7 @@ from tokenswift.tree import DraftTree
 class TreeSamplingVerifier(Verifier):
     """Walk from the root, one draw per node, following the matching child."""
 
-    def verify(self, tree: DraftTree, scores: torch.Tensor, sampler: Sampler) -> Verdict:
+    def verify(self, tree: DraftTree, scores, sampler: Sampler) -> Verdict:
         accepted: list[int] = []
         node = 0
         while True:
