@@ -1,7 +1,8 @@
 """The attention function the runner registers with transformers.
 
-It is transformers' own SDPA path (which handles grouped KV heads and boolean 4-D
-masks) plus one optional extra: when the forward is called with a
+It runs SDPA with grouped KV heads folded into the query dimension (no copies of the
+cache, no slow ``enable_gqa`` kernel), falling back to transformers' own SDPA path for
+anything unusual, plus one optional extra: when the forward is called with a
 :class:`ScoreRecorder` as ``tokenswift_scores``, it records the attention
 probabilities of the last query over every key, summed over the query heads of each
 KV group. The dynamic cache policy ranks positions by these scores.
@@ -14,6 +15,7 @@ gets no mask on multi-token steps).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -43,13 +45,37 @@ class ScoreRecorder:
         self.scores[layer_idx] = probs.view(kv_heads, q_heads // kv_heads, -1).sum(dim=1)
 
 
+def grouped_attention(query, key, value, mask, scaling: float) -> torch.Tensor:
+    """SDPA with grouped KV heads and no copies of the keys/values.
+
+    query: [1, q_heads, n, D]; key/value: [1, kv_heads, K, D] (may be strided views of
+    the store); mask: [1, 1, n, K] bool or None. The query heads of each KV group are
+    folded into the query-length dimension ([1, kv_heads, group * n, D]), so every KV
+    head is read once and SDPA runs without ``enable_gqa`` (which is several times
+    slower on CPU) and without ``repeat_kv`` copies. Returns [1, n, q_heads, D].
+    """
+    _, q_heads, n, dim = query.shape
+    kv_heads = key.shape[1]
+    group = q_heads // kv_heads
+    packed = query.reshape(1, kv_heads, group * n, dim)  # heads of a group are consecutive
+    if mask is not None and group > 1:
+        mask = mask.expand(1, 1, n, mask.shape[-1]).repeat(1, 1, group, 1)
+    out = F.scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(1, q_heads, n, dim).transpose(1, 2).contiguous()
+
+
 def tokenswift_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """The attention function registered as ``"tokenswift"`` (see the module docstring)."""
     recorder = kwargs.pop("tokenswift_scores", None)
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     if recorder is not None:
-        recorder.record(module.layer_idx, query, key, attention_mask, scaling if scaling is not None else query.shape[-1] ** -0.5)
+        recorder.record(module.layer_idx, query, key, attention_mask, scaling)
     if kwargs.pop("tokenswift_dense", False):
-        attention_mask = None  # every query sees every key: let SDPA pick a mask-free kernel
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        attention_mask = None  # every query sees every key
+    unsupported = dropout or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None
+    if unsupported or query.shape[0] != 1 or (attention_mask is not None and attention_mask.dtype != torch.bool):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    return grouped_attention(query, key, value, attention_mask, scaling), None
 
 
 _registered = False
