@@ -73,7 +73,10 @@ def tokenswift_attention(module, query, key, value, attention_mask, dropout=0.0,
     if kwargs.pop("tokenswift_dense", False):
         attention_mask = None  # every query sees every key
     unsupported = dropout or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None
-    if unsupported or query.shape[0] != 1 or (attention_mask is not None and attention_mask.dtype != torch.bool):
+    # No mask on a multi-token step means "causal" to transformers (its own forwards
+    # outside the runner): leave that, and any other unusual case, to its SDPA path.
+    implicit_causal = attention_mask is None and query.shape[2] > 1
+    if implicit_causal or unsupported or query.shape[0] != 1 or (attention_mask is not None and attention_mask.dtype != torch.bool):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     return grouped_attention(query, key, value, attention_mask, scaling), None
 
