@@ -3,8 +3,7 @@
 import json
 
 from tokenswift.bench import BenchConfig, WindowedRepetitionPenalty, distinct_n, run_bench, write_reports
-from tokenswift.testing import looping_model
-from tests.test_loading import word_tokenizer
+from tokenswift.testing import word_tokenizer, looping_model
 
 
 def test_bench_on_a_tiny_model(tmp_path):

@@ -5,8 +5,7 @@ import json
 import pytest
 
 from tokenswift.cli import main
-from tokenswift.testing import tiny_model_for
-from tests.test_loading import word_tokenizer
+from tokenswift.testing import word_tokenizer, tiny_model_for
 
 
 @pytest.fixture(scope="module")

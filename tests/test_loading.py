@@ -4,21 +4,12 @@ import importlib.util
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
 from tokenswift import ModelLoadError, Pipeline
 from tokenswift.model import loading
-from tokenswift.testing import TINY_CONFIGS, tiny_model_for
+from tokenswift.testing import TINY_CONFIGS, tiny_model_for, word_tokenizer
 
 TINY_SPEC = {"tiny": TINY_CONFIGS["llama-gqa"], "dtype": "float64", "seed": 0}
-
-
-def word_tokenizer():
-    vocab = {w: i for i, w in enumerate(["<unk>", "the", "cat", "sat", "on", "mat", "a", "dog"])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
 
 
 def test_tiny_model_from_spec_is_seeded():

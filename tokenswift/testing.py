@@ -47,6 +47,18 @@ def tiny_model_for(name: str, dtype: str = "float64", seed: int = 0) -> torch.nn
     return tiny_model(TINY_CONFIGS[name], seed=seed, dtype=dtype)
 
 
+def word_tokenizer():
+    """A tiny word-level tokenizer (vocabulary: <unk> the cat sat on mat a dog), enough
+    to save beside a tiny model and drive the CLI with text prompts."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "the", "cat", "sat", "on", "mat", "a", "dog"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+
+
 @functools.lru_cache(maxsize=8)
 def looping_model(name: str = "llama-mha", dtype: str = "float64", seed: int = 0) -> torch.nn.Module:
     """A tiny model whose attention output is zeroed, so each next token depends on the
