@@ -111,3 +111,12 @@ def test_bad_prompts():
         pipe.generate([1, 999], 5)
     with pytest.raises(ValueError, match="no tokenizer"):
         pipe.generate("text", 5)
+    with pytest.raises(ValueError, match="the prompt has 600 tokens, more than the model's context of 512 positions"):
+        pipe.generate([1] * 600, 5)
+
+
+def test_running_past_the_trained_context_warns(caplog):
+    pipe = Pipeline.from_spec("ar", tiny_model_for("llama-mha"), overrides=GREEDY_NO_PENALTY)
+    with caplog.at_level("WARNING", logger="tokenswift.pipeline"):
+        pipe.generate([1] * 500, 20, ignore_eos=True)
+    assert "exceed the model's trained context (512 positions)" in caplog.text

@@ -246,6 +246,23 @@ class Pipeline:
             ids.update([value] if isinstance(value, int) else list(value))
         return ids
 
+    def _check_context(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        context = getattr(self.runner.config, "max_position_embeddings", None)
+        if context is None:
+            return
+        if prompt_tokens >= context:
+            raise ValueError(
+                f"the prompt has {prompt_tokens} tokens, more than the model's context of {context} positions"
+            )
+        if prompt_tokens + max_new_tokens > context:
+            logger.warning(
+                "prompt (%d) + max_new_tokens (%d) exceed the model's trained context (%d positions); "
+                "quality past it depends on the model's RoPE scaling",
+                prompt_tokens,
+                max_new_tokens,
+                context,
+            )
+
     def max_tree_nodes(self) -> int:
         return 1 + sum(component.max_tree_nodes for component in self._components)
 
@@ -265,6 +282,7 @@ class Pipeline:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         prompt_ids = self.encode(prompt)
+        self._check_context(len(prompt_ids), max_new_tokens)
         seed = secrets.randbits(63) if seed is None else int(seed)
         hook = self.plugin_manager.hook
         hook.tokenswift_generation_start(pipeline=self, prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens)
