@@ -232,6 +232,13 @@ def cmd_generate(args) -> int:
         Path(args.stats_json).write_text(json.dumps(summary, indent=2) + "\n")
     if not args.quiet:
         print(" ".join(f"{k}={v}" for k, v in summary.items()), file=sys.stderr)
+    if result.stats.finish_reason == "non-finite scores":
+        print(
+            f"tokenswift: error: the model produced NaN/inf scores after {result.stats.new_tokens} tokens; "
+            "the text so far was kept" + (f" in {args.out}" if args.out else ""),
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

@@ -15,3 +15,7 @@ class ModelLoadError(TokenswiftError, ValueError):
 
 class PluginError(TokenswiftError):
     """A plugin failed to load or registered something invalid."""
+
+
+class NonFiniteScoresError(TokenswiftError):
+    """A node's logits were NaN or +inf, or filtered down to nothing."""

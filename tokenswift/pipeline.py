@@ -26,8 +26,9 @@ import attrs
 import torch
 
 from tokenswift.detok import IncrementalDecoder
-from tokenswift.errors import SpecError
+from tokenswift.errors import NonFiniteScoresError, SpecError
 from tokenswift.interfaces import BuildContext, DecodeState
+from tokenswift.memory import WORKING_SLACK, MemoryEstimate, available_bytes, gib
 from tokenswift.model.loading import load_model
 from tokenswift.model.runner import Runner
 from tokenswift.registry import PluginManager, Registry, build_registry, get_plugin_manager
@@ -56,7 +57,7 @@ class GenerationStats:
     draft_depth: int  # sum over steps of the tree depth (the paper's "steps x k")
     tokens_per_step_histogram: dict[int, int]
     stage_seconds: dict[str, float]
-    finish_reason: str  # "length" or "eos"
+    finish_reason: str  # "length", "eos", or "non-finite scores" (stopped, text so far kept)
 
     @property
     def decode_seconds(self) -> float:
@@ -263,6 +264,30 @@ class Pipeline:
                 context,
             )
 
+    def estimate_memory(self, prompt_tokens: int, max_new_tokens: int) -> MemoryEstimate:
+        """What a run of this size will allocate: KV store, drafting view, working set."""
+        runner = self.runner
+        positions = prompt_tokens + max_new_tokens + self.max_tree_nodes()
+        reusable = runner.store is not None and runner.store.capacity >= positions
+        budget = getattr(getattr(self.cache_policy, "options", None), "budget", None)
+        view_positions = budget + 8 if budget is not None and positions > budget else 0
+        return MemoryEstimate(
+            positions=positions,
+            kv_bytes=0 if reusable else runner.kv_bytes(positions),
+            view_bytes=runner.kv_bytes(view_positions),
+            working_bytes=WORKING_SLACK + 2 * self.max_tree_nodes() * runner.vocab_size * 4,
+        )
+
+    def _check_memory(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        estimate = self.estimate_memory(prompt_tokens, max_new_tokens)
+        free = available_bytes(self.runner.device)
+        if free is not None and estimate.total_bytes > free:
+            raise ValueError(
+                f"this run needs about {gib(estimate.total_bytes)} (KV store for {estimate.positions} positions "
+                f"{gib(estimate.kv_bytes)}, drafting view {gib(estimate.view_bytes)}), but only {gib(free)} is "
+                f"available; lower max_new_tokens ({max_new_tokens}) or the cache budget"
+            )
+
     def max_tree_nodes(self) -> int:
         return 1 + sum(component.max_tree_nodes for component in self._components)
 
@@ -283,6 +308,7 @@ class Pipeline:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         prompt_ids = self.encode(prompt)
         self._check_context(len(prompt_ids), max_new_tokens)
+        self._check_memory(len(prompt_ids), max_new_tokens)
         seed = secrets.randbits(63) if seed is None else int(seed)
         hook = self.plugin_manager.hook
         hook.tokenswift_generation_start(pipeline=self, prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens)
@@ -320,7 +346,13 @@ class Pipeline:
             counter.stage["score"] += now - clock
             clock = now
 
-            verdict = self.verifier.verify(tree, scores, sampler)
+            try:
+                verdict = self.verifier.verify(tree, scores, sampler)
+            except NonFiniteScoresError as exc:
+                # Keep what was generated so far; the caller sees why it stopped.
+                logger.warning("stopping after %d new tokens: %s", state.generated, exc)
+                finish_reason = "non-finite scores"
+                break
             now = time.perf_counter()
             counter.stage["verify"] += now - clock
             clock = now

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from tokenswift.errors import NonFiniteScoresError
 from tokenswift.interfaces import Penalty
 from tokenswift.sampling import Sampler
 from tokenswift.tree import DraftTree
@@ -57,5 +58,11 @@ class NodeScores:
                 logits = self.lm_head(self.hidden[node : node + 1]).to(self.logits_dtype)  # [1, vocab]
                 context = self.context(node)
                 scores = self.sampler.warp(context, self.penalty.apply(context, logits))[0]
+                broken = torch.isnan(scores).any() or torch.isposinf(scores).any() or torch.isneginf(scores).all()
+            if broken:
+                raise NonFiniteScoresError(
+                    f"the scores of tree node {node} are NaN/inf or all filtered out "
+                    f"(model dtype too narrow, or a penalty/warper produced them)"
+                )
             self._cache[node] = scores
         return scores

@@ -1,0 +1,82 @@
+"""Memory is predicted before a run and a run that cannot fit is refused."""
+
+import pytest
+
+from tokenswift import Pipeline, get_plugin_manager, hookimpl
+from tokenswift import pipeline as pipeline_module
+from tokenswift.interfaces import Penalty
+from tokenswift.testing import tiny_model_for
+
+
+def test_estimate_matches_the_actual_allocation():
+    pipe = Pipeline.from_spec(
+        {"preset": "tokenswift", "drafter": {"heads": "random"}, "cache": {"budget": 24, "sink": 2, "recent": 4}},
+        tiny_model_for("llama-gqa"),
+    )
+    estimate = pipe.estimate_memory(20, 30)
+    pipe.generate(list(range(1, 21)), 30, seed=0, ignore_eos=True)
+    assert estimate.positions == pipe.runner.store.capacity == 20 + 30 + pipe.max_tree_nodes()
+    assert estimate.kv_bytes == pipe.runner.store.nbytes()
+    view = pipe.cache_policy.view
+    assert view is not None  # the context outgrew the budget, so a partial view was made
+    assert estimate.view_bytes == sum(t.numel() * t.element_size() for t in view.keys + view.values)
+    assert pipe.estimate_memory(20, 30).kv_bytes == 0  # the store is reused
+
+
+def test_a_run_that_cannot_fit_is_refused_before_allocating(monkeypatch):
+    pipe = Pipeline.from_spec("ar", tiny_model_for("llama-mha"))
+    monkeypatch.setattr(pipeline_module, "available_bytes", lambda device: 10 * 2**20)
+    with pytest.raises(ValueError, match=r"this run needs about 0.\d\d GiB .* but only 0.01 GiB is available; lower max_new_tokens \(100000\)"):
+        pipe.generate([1, 2, 3], 100_000)
+    assert pipe.runner.store is None
+
+
+class NaNAfter(Penalty):
+    """Turns the scores to NaN once the context reaches 12 tokens."""
+
+    @property
+    def window(self):
+        return 64
+
+    def apply(self, contexts, scores):
+        return scores * float("nan") if contexts.shape[1] >= 12 else scores
+
+
+class NaNPlugin:
+    @hookimpl
+    def tokenswift_register_components(self, registrar):
+        registrar.add("penalty", "nan-after", NaNAfter)
+
+
+def test_non_finite_scores_stop_the_run_and_keep_the_text():
+    pm = get_plugin_manager()
+    pm.register(NaNPlugin())
+    pipe = Pipeline.from_spec({"preset": "ar", "penalty": {"name": "nan-after"}}, tiny_model_for("llama-mha"), plugin_manager=pm)
+    result = pipe.generate([1, 2, 3, 4, 5], 20, seed=0, ignore_eos=True)
+    assert result.stats.finish_reason == "non-finite scores"
+    assert len(result.tokens) == 7  # contexts of 5..11 tokens were fine
+
+
+def test_cli_reports_non_finite_scores_and_keeps_the_file(monkeypatch, tmp_path, capsys):
+    import sys
+    import types
+
+    from tests.test_plugin_loading import FakeDistribution, install
+    from tokenswift.cli import main
+    from tokenswift.testing import word_tokenizer
+
+    module = types.ModuleType("fake_nan")
+    module.tokenswift_register_components = hookimpl(lambda registrar: registrar.add("penalty", "nan-after", NaNAfter))
+    monkeypatch.setitem(sys.modules, "fake_nan", module)
+    install(monkeypatch, FakeDistribution("nan-dist", "0.1", [("nan", "fake_nan")]))
+    model_dir = tmp_path / "model"
+    tiny_model_for("llama-mha", "float32").save_pretrained(model_dir)
+    word_tokenizer().save_pretrained(model_dir)
+    spec = tmp_path / "spec.toml"
+    spec.write_text(f'preset = "ar"\n[model]\npath = "{model_dir}"\ndtype = "float32"\n[penalty]\nname = "nan-after"\n')
+    out = tmp_path / "out.txt"
+    code = main(["generate", "--spec", str(spec), "--prompt", "the cat sat on the", "--max-new-tokens", "20",
+                 "--ignore-eos", "--out", str(out), "--quiet"])
+    assert code == 1
+    assert "NaN/inf scores after 7 tokens; the text so far was kept in" in capsys.readouterr().err
+    assert out.is_file()

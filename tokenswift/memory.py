@@ -1,0 +1,45 @@
+"""Predicting a run's memory before it starts, and refusing runs that cannot fit.
+
+All KV storage is preallocated from prompt + max_new_tokens (+ the largest tree), so
+the bulk of a run's memory is known before the first forward.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+import torch
+
+WORKING_SLACK = 64 * 2**20  # activations of a prefill chunk, sampler buffers, ...
+
+
+@attrs.frozen(kw_only=True)
+class MemoryEstimate:
+    """Bytes a generation will newly allocate (weights are already loaded)."""
+
+    positions: int  # KV store capacity
+    kv_bytes: int  # the full KV store
+    view_bytes: int  # a partial drafting view's own buffers
+    working_bytes: int  # logits of one tree, activations, slack
+
+    @property
+    def total_bytes(self) -> int:
+        return self.kv_bytes + self.view_bytes + self.working_bytes
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Free memory on ``device`` (None when it cannot be told)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
