@@ -25,6 +25,7 @@ from typing import Any
 import attrs
 import torch
 
+from tokenswift.checkpoint import Checkpoint
 from tokenswift.detok import IncrementalDecoder
 from tokenswift.errors import NonFiniteScoresError, SpecError
 from tokenswift.interfaces import BuildContext, DecodeState
@@ -298,37 +299,109 @@ class Pipeline:
         seed: int | None = None,
         ignore_eos: bool = False,
         stream: Callable[[StreamChunk], None] | None = None,
+        *,
+        checkpoint: str | os.PathLike | None = None,
+        checkpoint_every: int = 256,
+        resume: Checkpoint | None = None,
     ) -> GenerationResult:
         """Generate up to ``max_new_tokens`` new tokens after ``prompt`` (text or ids).
 
         The same seed gives the same output; ``stream`` is called after every step
-        with the new tokens (and their text, with a tokenizer).
+        with the new tokens (and their text, with a tokenizer). With ``checkpoint``, a
+        :class:`~tokenswift.checkpoint.Checkpoint` is written there atomically every
+        ``checkpoint_every`` new tokens and when the run ends, also on KeyboardInterrupt
+        (the result then has ``finish_reason == "interrupted"``). ``resume`` continues
+        such a checkpoint exactly (``prompt``, ``max_new_tokens``, ``seed`` and
+        ``ignore_eos`` then come from it); the result holds all new tokens, the stats
+        this run's part.
         """
+        if resume is not None:
+            prompt, max_new_tokens, seed, ignore_eos = (
+                resume.prompt_tokens, resume.max_new_tokens, resume.seed, resume.ignore_eos
+            )
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         prompt_ids = self.encode(prompt)
         self._check_context(len(prompt_ids), max_new_tokens)
         self._check_memory(len(prompt_ids), max_new_tokens)
         seed = secrets.randbits(63) if seed is None else int(seed)
+        done_before = list(resume.tokens) if resume is not None else []
         hook = self.plugin_manager.hook
         hook.tokenswift_generation_start(pipeline=self, prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens)
 
         started = time.perf_counter()
         runner = self.runner
+        context = list(prompt_ids) + done_before
         runner.allocate(len(prompt_ids) + max_new_tokens + self.max_tree_nodes())
-        runner.prefill(torch.tensor(prompt_ids[:-1], dtype=torch.long))
+        runner.prefill(torch.tensor(context[:-1], dtype=torch.long))
         prefill_seconds = time.perf_counter() - started
 
-        generator = torch.Generator(device="cpu").manual_seed(seed)
+        generator = resume.generator() if resume is not None else torch.Generator(device="cpu").manual_seed(seed)
         sampler = Sampler(self.spec.sampling, generator)
-        state = DecodeState(tokens=list(prompt_ids), prompt_length=len(prompt_ids), runner=runner)
+        state = DecodeState(tokens=context, prompt_length=len(prompt_ids), runner=runner)
         for component in self._components:
             component.start(state)
         eos = set() if ignore_eos else self.eos_token_ids()
         decoder = IncrementalDecoder(self.tokenizer) if (stream and self.tokenizer is not None) else None
         counter = _StatsCounter()
         finish_reason = "length"
+        if resume is not None and resume.done:
+            finish_reason = resume.finish_reason
+        next_checkpoint = (state.generated // checkpoint_every + 1) * checkpoint_every
 
+        def save_checkpoint(reason: str | None) -> None:
+            Checkpoint(
+                spec=self.spec.to_dict(),
+                prompt_tokens=list(prompt_ids),
+                tokens=state.tokens[len(prompt_ids) :],
+                seed=seed,
+                rng_state=bytes(generator.get_state().tolist()),
+                max_new_tokens=max_new_tokens,
+                ignore_eos=ignore_eos,
+                finish_reason=reason,
+            ).save(checkpoint)
+
+        try:
+            if resume is None or not resume.done:
+                finish_reason = self._decode(
+                    state, sampler, eos, max_new_tokens, counter, started, stream, decoder,
+                    finish_reason, checkpoint and (lambda: save_checkpoint(None)), checkpoint_every, next_checkpoint,
+                )
+        except KeyboardInterrupt:
+            logger.warning("interrupted after %d new tokens", state.generated)
+            finish_reason = "interrupted"
+        if checkpoint is not None:
+            save_checkpoint(finish_reason)
+
+        new_tokens = state.tokens[len(prompt_ids) :]
+        stats = GenerationStats(
+            prompt_tokens=len(prompt_ids),
+            new_tokens=len(new_tokens),
+            steps=counter.steps,
+            seconds=time.perf_counter() - started,
+            prefill_seconds=prefill_seconds,
+            proposed_tokens=counter.proposed,
+            accepted_tokens=counter.accepted,
+            retrieved_accepted_tokens=counter.retrieved,
+            draft_depth=counter.depth,
+            tokens_per_step_histogram=dict(sorted(counter.histogram.items())),
+            stage_seconds=counter.stage,
+            finish_reason=finish_reason,
+        )
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(new_tokens, skip_special_tokens=True)
+        result = GenerationResult(tokens=new_tokens, text=text, stats=stats, seed=seed, prompt_tokens=prompt_ids)
+        hook.tokenswift_generation_end(pipeline=self, result=result)
+        return result
+
+    def _decode(
+        self, state, sampler, eos, max_new_tokens, counter, started, stream, decoder,
+        finish_reason, save_checkpoint, checkpoint_every, next_checkpoint,
+    ) -> str:
+        """The decoding loop; returns why it stopped."""
+        runner = self.runner
+        hook = self.plugin_manager.hook
         while state.generated < max_new_tokens:
             clock = time.perf_counter()
             tree = self._propose(state)
@@ -352,7 +425,7 @@ class Pipeline:
                 # Keep what was generated so far; the caller sees why it stopped.
                 logger.warning("stopping after %d new tokens: %s", state.generated, exc)
                 finish_reason = "non-finite scores"
-                break
+                return finish_reason
             now = time.perf_counter()
             counter.stage["verify"] += now - clock
             clock = now
@@ -387,30 +460,13 @@ class Pipeline:
             )
             if stream is not None:
                 stream(StreamChunk(tokens=emitted, text=decoder.push(emitted) if decoder else None))
+            if save_checkpoint and state.generated >= next_checkpoint and state.generated < max_new_tokens:
+                save_checkpoint()
+                next_checkpoint = (state.generated // checkpoint_every + 1) * checkpoint_every
             if finish_reason == "eos":
-                break
+                return finish_reason
 
-        new_tokens = state.tokens[len(prompt_ids) :]
-        stats = GenerationStats(
-            prompt_tokens=len(prompt_ids),
-            new_tokens=len(new_tokens),
-            steps=counter.steps,
-            seconds=time.perf_counter() - started,
-            prefill_seconds=prefill_seconds,
-            proposed_tokens=counter.proposed,
-            accepted_tokens=counter.accepted,
-            retrieved_accepted_tokens=counter.retrieved,
-            draft_depth=counter.depth,
-            tokens_per_step_histogram=dict(sorted(counter.histogram.items())),
-            stage_seconds=counter.stage,
-            finish_reason=finish_reason,
-        )
-        text = None
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(new_tokens, skip_special_tokens=True)
-        result = GenerationResult(tokens=new_tokens, text=text, stats=stats, seed=seed, prompt_tokens=prompt_ids)
-        hook.tokenswift_generation_end(pipeline=self, result=result)
-        return result
+        return finish_reason
 
     def _propose(self, state: DecodeState) -> DraftTree:
         tree = DraftTree.root_only(state.tokens[-1])

@@ -1,0 +1,85 @@
+"""Checkpoints: an interrupted generation resumes exactly where it stopped."""
+
+import pytest
+
+from tokenswift import Pipeline, get_plugin_manager, hookimpl
+from tokenswift.checkpoint import Checkpoint
+from tokenswift.errors import TokenswiftError
+from tokenswift.testing import looping_model, tiny_model_for
+
+SPEC = {"preset": "tokenswift", "drafter": {"heads": "random", "tree": [2, 2, 1]}, "cache": {"budget": 16, "sink": 2, "recent": 4}}
+
+
+class StopAt:
+    """Raises KeyboardInterrupt (as Ctrl-C would) once ``limit`` tokens exist."""
+
+    def __init__(self, limit):
+        self.limit = limit
+
+    @hookimpl
+    def tokenswift_step_end(self, pipeline, step):
+        if step.generated >= self.limit:
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("sampling", [{"greedy": True}, {"temperature": 1.0, "min_p": 0.1}])
+@pytest.mark.parametrize("model_name", ["llama-gqa", "looping"])
+def test_interrupt_and_resume_equals_the_uninterrupted_run(tmp_path, sampling, model_name):
+    model = looping_model() if model_name == "looping" else tiny_model_for(model_name)
+    spec = {**SPEC, "sampling": sampling}
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    full = Pipeline.from_spec(spec, model).generate(prompt, 60, seed=5, ignore_eos=True)
+
+    pm = get_plugin_manager()
+    pm.register(StopAt(23))
+    path = tmp_path / "run.ckpt"
+    cut = Pipeline.from_spec(spec, model, plugin_manager=pm).generate(
+        prompt, 60, seed=5, ignore_eos=True, checkpoint=path, checkpoint_every=10
+    )
+    assert cut.stats.finish_reason == "interrupted" and 23 <= len(cut.tokens) < 60
+    saved = Checkpoint.load(path)
+    assert saved.tokens == cut.tokens == full.tokens[: len(cut.tokens)] and not saved.done
+
+    resumed = Pipeline.from_spec(saved.spec, model).generate(None, 0, resume=saved, checkpoint=path)
+    assert resumed.tokens == full.tokens
+    assert Checkpoint.load(path).finish_reason == "length" and Checkpoint.load(path).tokens == full.tokens
+
+
+def test_periodic_checkpoints_are_written(tmp_path):
+    path = tmp_path / "run.ckpt"
+    seen = []
+
+    class Watch:
+        @hookimpl
+        def tokenswift_step_end(self, pipeline, step):
+            if path.exists():
+                seen.append(len(Checkpoint.load(path).tokens))
+
+    pm = get_plugin_manager()
+    pm.register(Watch())
+    Pipeline.from_spec("ar", tiny_model_for("llama-mha"), plugin_manager=pm).generate(
+        [1, 2], 35, seed=0, ignore_eos=True, checkpoint=path, checkpoint_every=10
+    )
+    assert sorted(set(seen)) == [10, 20, 30]
+    final = Checkpoint.load(path)
+    assert final.done and len(final.tokens) == 35
+
+
+def test_resuming_a_finished_run_generates_nothing_more(tmp_path):
+    path = tmp_path / "run.ckpt"
+    pipe = Pipeline.from_spec("ar", tiny_model_for("llama-mha"))
+    first = pipe.generate([1, 2], 12, seed=0, ignore_eos=True, checkpoint=path)
+    again = pipe.generate(None, 0, resume=Checkpoint.load(path))
+    assert again.tokens == first.tokens and again.stats.steps == 0
+
+
+def test_bad_checkpoints(tmp_path):
+    with pytest.raises(TokenswiftError, match="no checkpoint at"):
+        Checkpoint.load(tmp_path / "missing")
+    bad = tmp_path / "bad.ckpt"
+    bad.write_text("{not json")
+    with pytest.raises(TokenswiftError, match="is not readable"):
+        Checkpoint.load(bad)
+    bad.write_text('{"format": "other"}')
+    with pytest.raises(TokenswiftError, match="is not a tokenswift checkpoint"):
+        Checkpoint.load(bad)
