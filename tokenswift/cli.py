@@ -8,9 +8,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
+import signal
 import sys
-import tempfile
 from pathlib import Path
 
 from tokenswift.errors import PluginError, TokenswiftError
@@ -55,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--out", help="write the text to this file instead of the terminal")
     gen.add_argument("--stats-json", help="also write the statistics as JSON to this file")
+    gen.add_argument(
+        "--checkpoint-every", type=int, default=256, help="with --out: write FILE.ckpt every N new tokens (default 256)"
+    )
+    gen.add_argument("--resume", action="store_true", help="continue the run whose checkpoint is --out FILE.ckpt")
     gen.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
 
     train = sub.add_parser("train-heads", help="train draft heads for a model on a JSON Lines corpus")
@@ -176,20 +179,39 @@ class _Progress:
         self.bar.close()
 
 
+def checkpoint_path(out: str) -> Path:
+    return Path(f"{out}.ckpt")
+
+
 def cmd_generate(args) -> int:
     from tokenswift import Pipeline, hookimpl
+    from tokenswift.checkpoint import Checkpoint
+    from tokenswift.detok import IncrementalDecoder
 
-    if args.max_new_tokens <= 0:
-        raise CliError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
-    prompt = _read_prompt(args)
-    if not prompt.strip():
-        raise CliError("the prompt is empty")
-    spec, overrides = _spec_and_overrides(args)
-    pipe = Pipeline.from_spec(spec, overrides=overrides)
+    resume = None
+    if args.resume:
+        if not args.out:
+            raise CliError("--resume needs --out FILE (the checkpoint is FILE.ckpt)")
+        resume = Checkpoint.load(checkpoint_path(args.out))
+        pipe = Pipeline.from_spec(resume.spec)
+        prompt, max_new_tokens = None, resume.max_new_tokens
+    else:
+        if args.max_new_tokens <= 0:
+            raise CliError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
+        if args.checkpoint_every <= 0:
+            raise CliError(f"--checkpoint-every must be a positive integer, got {args.checkpoint_every}")
+        prompt = _read_prompt(args)
+        if not prompt.strip():
+            raise CliError("the prompt is empty")
+        spec, overrides = _spec_and_overrides(args)
+        pipe = Pipeline.from_spec(spec, overrides=overrides)
+        max_new_tokens = args.max_new_tokens
 
     # The live bar shares the terminal with streamed text only when the text goes elsewhere.
     text_on_terminal = args.out is None and sys.stdout.isatty()
-    progress = _Progress(args.max_new_tokens, enabled=not args.quiet and not text_on_terminal)
+    progress = _Progress(max_new_tokens, enabled=not args.quiet and not text_on_terminal)
+    if resume is not None:
+        progress.bar.update(len(resume.tokens))
     ignore_eos = args.ignore_eos if args.ignore_eos is not None else (args.prompt is None and args.prompt_file is None)
 
     class ProgressPlugin:
@@ -199,47 +221,66 @@ def cmd_generate(args) -> int:
 
     plugin = ProgressPlugin()
     pipe.plugin_manager.register(plugin)
-    out_file = tmp_path = None
+    out_file = None
+    previous_sigterm = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
+        decoder = IncrementalDecoder(pipe.tokenizer) if pipe.tokenizer is not None else None
         if args.out:
-            out_path = Path(args.out)
-            fd, tmp_path = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".partial", dir=out_path.parent or ".")
-            out_file = os.fdopen(fd, "w", encoding="utf-8")
+            # Written as it is generated (flushed every step); a checkpoint beside it
+            # lets --resume continue after a crash, kill or Ctrl-C.
+            out_file = open(args.out, "w", encoding="utf-8")
+            if resume is not None and decoder is not None:
+                out_file.write(decoder.push(resume.tokens))
+                out_file.flush()
 
         def stream(chunk):
-            if chunk.text:
+            text = decoder.push(chunk.tokens) if decoder is not None else None
+            if text:
                 target = out_file or sys.stdout
-                target.write(chunk.text)
+                target.write(text)
                 target.flush()
 
-        result = pipe.generate(prompt, args.max_new_tokens, seed=args.seed, ignore_eos=ignore_eos, stream=stream)
-        if out_file is not None:
-            out_file.close()
-            os.replace(tmp_path, args.out)
-            tmp_path = None
-        else:
+        result = pipe.generate(
+            prompt,
+            max_new_tokens,
+            seed=args.seed,
+            ignore_eos=ignore_eos,
+            stream=stream,
+            checkpoint=checkpoint_path(args.out) if args.out else None,
+            checkpoint_every=args.checkpoint_every,
+            resume=resume,
+        )
+        if out_file is None:
             sys.stdout.write("\n")
     finally:
+        signal.signal(signal.SIGTERM, previous_sigterm)
         progress.close()
         pipe.plugin_manager.unregister(plugin)
-        if out_file is not None and not out_file.closed:
+        if out_file is not None:
             out_file.close()
-        if tmp_path is not None and os.path.exists(tmp_path):
-            os.unlink(tmp_path)
 
     summary = {"preset": pipe.spec.preset, "seed": result.seed, **result.stats.summary()}
     if args.stats_json:
         Path(args.stats_json).write_text(json.dumps(summary, indent=2) + "\n")
     if not args.quiet:
         print(" ".join(f"{k}={v}" for k, v in summary.items()), file=sys.stderr)
-    if result.stats.finish_reason == "non-finite scores":
+    reason = result.stats.finish_reason
+    if reason == "interrupted":
+        where = f"; continue with: tokenswift generate --resume --out {args.out}" if args.out else ""
+        print(f"tokenswift: interrupted after {len(result.tokens)} new tokens{where}", file=sys.stderr)
+        return 130
+    if reason == "non-finite scores":
         print(
-            f"tokenswift: error: the model produced NaN/inf scores after {result.stats.new_tokens} tokens; "
+            f"tokenswift: error: the model produced NaN/inf scores after {len(result.tokens)} tokens; "
             "the text so far was kept" + (f" in {args.out}" if args.out else ""),
             file=sys.stderr,
         )
         return 1
     return 0
+
+
+def _raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def cmd_train_heads(args, argv) -> int:

@@ -1,0 +1,79 @@
+"""A run killed with SIGKILL mid-generation resumes from its checkpoint exactly."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tokenswift.checkpoint import Checkpoint
+from tokenswift.testing import tiny_model_for, word_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    tiny_model_for("llama-gqa", "float32").save_pretrained(path)
+    word_tokenizer().save_pretrained(path)
+    return path
+
+
+def generate_cmd(model_dir, out, sampling, *extra):
+    cmd = [sys.executable, "-m", "tokenswift.cli", "generate", "--preset", "tokenswift", "--model", str(model_dir),
+           "--dtype", "float32", "--prompt", "the cat sat on the mat", "--max-new-tokens", "700", "--seed", "4",
+           "--ignore-eos", "--out", str(out), "--checkpoint-every", "25", "--quiet", *extra]
+    return cmd + ([] if sampling else ["--greedy"])
+
+
+def env():
+    return {**os.environ, "TOKENSWIFT_DISABLE_PLUGINS": "all", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampling"])
+def test_kill_9_then_resume_equals_the_uninterrupted_run(model_dir, tmp_path, sampling):
+    reference = tmp_path / "reference.txt"
+    subprocess.run(generate_cmd(model_dir, reference, sampling), check=True, env=env(), timeout=300)
+    expected = Checkpoint.load(f"{reference}.ckpt")
+    assert expected.done and len(expected.tokens) == 700
+
+    out = tmp_path / "out.txt"
+    ckpt = tmp_path / "out.txt.ckpt"
+    process = subprocess.Popen(generate_cmd(model_dir, out, sampling), env=env())
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if ckpt.exists() and len(Checkpoint.load(ckpt).tokens) >= 100:
+            break
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=30)
+    partial = Checkpoint.load(ckpt)
+    assert 100 <= len(partial.tokens) < 700 and not partial.done, "the kill must land mid-run"
+
+    subprocess.run(generate_cmd(model_dir, out, sampling, "--resume"), check=True, env=env(), timeout=300)
+    final = Checkpoint.load(ckpt)
+    assert final.done and final.tokens == expected.tokens
+    assert out.read_text() == reference.read_text()
+
+
+def test_sigterm_stops_cleanly_with_everything_written(model_dir, tmp_path):
+    out = tmp_path / "out.txt"
+    ckpt = tmp_path / "out.txt.ckpt"
+    process = subprocess.Popen(generate_cmd(model_dir, out, True), env=env(), stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (ckpt.exists() and len(Checkpoint.load(ckpt).tokens) >= 50):
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 130
+    assert "interrupted after" in err and "--resume --out" in err and "Traceback" not in err
+    saved = Checkpoint.load(ckpt)
+    assert saved.finish_reason == "interrupted" and len(saved.tokens) >= 50
+
+
+def test_resume_without_out_is_a_clear_error(capsys):
+    from tokenswift.cli import main
+
+    assert main(["generate", "--resume"]) == 2
+    assert "--resume needs --out FILE" in capsys.readouterr().err
