@@ -86,3 +86,78 @@ def test_components_lists_every_kind_with_origin_and_options(capsys):
     for line in ("drafter:", "tokenswift       [built-in]", "retriever:", "ngram", "cache:", "dynamic", "verifier:", "penalty:", "presets:"):
         assert line in out
     assert "options: n=4, top_k=20, keys=1, window=None" in out
+
+
+def _spec(tmp_path, model_dir, body):
+    path = tmp_path / "spec.toml"
+    path.write_text(f'preset = "tokenswift"\n[model]\npath = "{model_dir}"\ndtype = "float32"\n' + body)
+    return str(path)
+
+
+def _other_heads(tmp_path):
+    from tokenswift.drafters.heads import DraftHeads
+
+    DraftHeads.random(tiny_model_for("llama-gqa", "float32", seed=9)).save_pretrained(tmp_path / "heads")
+    return str(tmp_path / "heads")
+
+
+def _bad_gguf(tmp_path):
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(b"GGUF but not really")
+    return str(path)
+
+
+BAD_RUNS = {
+    "prompt longer than the context": (
+        lambda t, m: ["--model", str(m), "--dtype", "float32", "--prompt", "the " * 600],
+        "the prompt has 600 tokens, more than the model's context of 512 positions",
+    ),
+    "heads of another model": (
+        lambda t, m: ["--model", str(m), "--dtype", "float32", "--prompt", "the cat", "--heads", _other_heads(t)],
+        "were made for another model: fingerprint",
+    ),
+    "malformed tree template": (
+        lambda t, m: ["--spec", _spec(t, m, "[drafter]\ntree = [1, 0]\n"), "--prompt", "the cat"],
+        "drafter.tree widths must be >= 1, got [1, 0]",
+    ),
+    "negative penalty window": (
+        lambda t, m: ["--spec", _spec(t, m, "[penalty]\nwindow = -1\n"), "--prompt", "the cat"],
+        "penalty.window must be >= 0, got -1",
+    ),
+    "wrong option type": (
+        lambda t, m: ["--spec", _spec(t, m, '[retriever]\ntop_k = "many"\n'), "--prompt", "the cat"],
+        "retriever.top_k must be an integer >= 0, got 'many'",
+    ),
+    "cuda without a GPU": (
+        lambda t, m: ["--spec", _spec(t, m, "").replace("spec.toml", "spec.toml"), "--prompt", "the cat"],
+        None,
+    ),
+    "unreadable GGUF": (
+        lambda t, m: ["--model", _bad_gguf(t), "--prompt", "the cat"],
+        "cannot load a model from",
+    ),
+    "more tokens than memory can hold": (
+        lambda t, m: ["--model", str(m), "--dtype", "float32", "--prompt", "the cat", "--max-new-tokens", str(10**12)],
+        "but only",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_RUNS))
+def test_bad_runs_are_one_line_exit_2_and_leave_no_file(case, model_dir, tmp_path, capsys):
+    import torch
+
+    make_args, message = BAD_RUNS[case]
+    args = make_args(tmp_path, model_dir)
+    if case == "cuda without a GPU":
+        if torch.cuda.is_available():
+            pytest.skip("a GPU is present")
+        spec = tmp_path / "spec.toml"
+        spec.write_text(spec.read_text().replace('dtype = "float32"', 'dtype = "float32"\ndevice = "cuda"'))
+        message = "'cuda' was asked for, but no CUDA GPU is available here"
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    code, out, err = run(capsys, "generate", *args, "--out", str(out_dir / "o.txt"))
+    assert code == 2, err
+    assert err.count("\n") == 1 and err.startswith("tokenswift: error: ") and message in err, err
+    assert not list(out_dir.iterdir()), "no output file may be left behind"

@@ -120,8 +120,7 @@ def _configure_logging(args) -> None:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if not args.verbose:
         hf_logging.set_verbosity_error()  # transformers' own notices are not the user's business
-    if getattr(args, "quiet", False):
-        hf_logging.disable_progress_bar()
+        hf_logging.disable_progress_bar()  # loading takes under a second from the converted copy
 
 
 def _read_prompt(args) -> str:
@@ -161,14 +160,21 @@ def _spec_and_overrides(args):
 
 
 class _Progress:
-    """A pluggy observer drawing a live progress line with tqdm."""
+    """A pluggy observer drawing a live progress line with tqdm, from the first step on
+    (so that a run refused before it starts prints nothing but its error)."""
 
-    def __init__(self, total: int, enabled: bool) -> None:
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=total, unit="tok", disable=not enabled, dynamic_ncols=True, leave=True, file=sys.stderr)
+    def __init__(self, total: int, enabled: bool, initial: int = 0) -> None:
+        self.total, self.enabled, self.initial = total, enabled, initial
+        self.bar = None
 
     def __call__(self, step) -> None:
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(
+                total=self.total, initial=self.initial, unit="tok", disable=not self.enabled,
+                dynamic_ncols=True, leave=True, file=sys.stderr,
+            )
         self.bar.update(len(step.emitted))
         self.bar.set_postfix(
             {"tok/s": f"{step.generated / max(step.seconds, 1e-9):.1f}", "tok/step": f"{step.generated / step.step:.2f}"},
@@ -176,7 +182,8 @@ class _Progress:
         )
 
     def close(self) -> None:
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
 
 
 def checkpoint_path(out: str) -> Path:
@@ -206,12 +213,13 @@ def cmd_generate(args) -> int:
         spec, overrides = _spec_and_overrides(args)
         pipe = Pipeline.from_spec(spec, overrides=overrides)
         max_new_tokens = args.max_new_tokens
+        prompt = pipe.check(prompt, max_new_tokens)  # refuse a bad run before any file is opened
 
     # The live bar shares the terminal with streamed text only when the text goes elsewhere.
     text_on_terminal = args.out is None and sys.stdout.isatty()
-    progress = _Progress(max_new_tokens, enabled=not args.quiet and not text_on_terminal)
-    if resume is not None:
-        progress.bar.update(len(resume.tokens))
+    progress = _Progress(
+        max_new_tokens, enabled=not args.quiet and not text_on_terminal, initial=len(resume.tokens) if resume else 0
+    )
     ignore_eos = args.ignore_eos if args.ignore_eos is not None else (args.prompt is None and args.prompt_file is None)
 
     class ProgressPlugin:

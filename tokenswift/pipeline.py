@@ -248,6 +248,16 @@ class Pipeline:
             ids.update([value] if isinstance(value, int) else list(value))
         return ids
 
+    def check(self, prompt: str | list[int] | torch.Tensor, max_new_tokens: int) -> list[int]:
+        """Validate a run before it starts (prompt, length, context, memory) and return
+        the prompt's token ids; raises ValueError with the reason otherwise."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        prompt_ids = self.encode(prompt)
+        self._check_context(len(prompt_ids), max_new_tokens)
+        self._check_memory(len(prompt_ids), max_new_tokens)
+        return prompt_ids
+
     def _check_context(self, prompt_tokens: int, max_new_tokens: int) -> None:
         context = getattr(self.runner.config, "max_position_embeddings", None)
         if context is None:
@@ -319,11 +329,7 @@ class Pipeline:
             prompt, max_new_tokens, seed, ignore_eos = (
                 resume.prompt_tokens, resume.max_new_tokens, resume.seed, resume.ignore_eos
             )
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        prompt_ids = self.encode(prompt)
-        self._check_context(len(prompt_ids), max_new_tokens)
-        self._check_memory(len(prompt_ids), max_new_tokens)
+        prompt_ids = self.check(prompt, max_new_tokens)
         seed = secrets.randbits(63) if seed is None else int(seed)
         done_before = list(resume.tokens) if resume is not None else []
         hook = self.plugin_manager.hook

@@ -139,7 +139,7 @@ def _converted_gguf(path: Path, dtype_name: str) -> Path | None:
             local_files_only=True,
         )
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
-    except (OSError, ValueError, RuntimeError) as exc:
+    except Exception as exc:  # a damaged file fails deep inside the GGUF reader, in many ways
         raise ModelLoadError(f"cannot load a model from {path}: {str(exc).splitlines()[0]}") from None
     staging = None
     try:
