@@ -7,7 +7,7 @@ import torch
 
 from tokenswift import ModelLoadError, Pipeline
 from tokenswift.model import loading
-from tokenswift.testing import TINY_CONFIGS, tiny_model_for, word_tokenizer
+from tokenswift.testing import TINY_CONFIGS, assert_lossless, tiny_model_for, word_tokenizer
 
 TINY_SPEC = {"tiny": TINY_CONFIGS["llama-gqa"], "dtype": "float64", "seed": 0}
 
@@ -81,3 +81,36 @@ def test_dtype_names():
     assert loading.resolve_dtype("bfloat16") is torch.bfloat16
     with pytest.raises(ModelLoadError, match="unknown dtype 'int4'"):
         loading.resolve_dtype("int4")
+
+
+def test_rope_scaling_override_stretches_the_context(tmp_path):
+    spec = {"preset": "ar", "model": dict(TINY_SPEC, rope={"type": "yarn", "factor": 4}), "sampling": {"greedy": True}}
+    pipe = Pipeline.from_spec(spec)
+    assert pipe.model.config.max_position_embeddings == 2048
+    assert pipe.model.config.rope_parameters["rope_type"] == "yarn"
+    assert pipe.model.config.rope_parameters["original_max_position_embeddings"] == 512
+    plain = Pipeline.from_spec({**spec, "model": TINY_SPEC})
+    prompt = list(range(1, 40))
+    assert pipe.generate(prompt, 10, ignore_eos=True).tokens != plain.generate(prompt, 10, ignore_eos=True).tokens
+    fast = Pipeline.from_spec(
+        {"preset": "tokenswift", "drafter": {"heads": "random"}, "cache": {"budget": 16}}, pipe.model
+    )
+    assert_lossless(fast, prompt, 20, seed=3)  # scaled RoPE changes the model, never the contract
+    # A saved directory takes the same override.
+    model = tiny_model_for("llama-mha", "float32")
+    model.save_pretrained(tmp_path)
+    loaded = Pipeline.from_spec({"preset": "ar", "model": {"path": str(tmp_path), "rope": {"factor": 16}}})
+    assert loaded.model.config.max_position_embeddings == 512 * 16
+
+
+@pytest.mark.parametrize(
+    ("rope", "message"),
+    [
+        ({"type": "ntk", "factor": 4}, r"model.rope.type must be one of \['yarn', 'linear', 'dynamic'\], got 'ntk'"),
+        ({"factor": 1}, r"model.rope.factor must be a number > 1, got 1"),
+        ({"factor": 4, "scale": 2}, r"model.rope has unknown key\(s\) \['scale'\]"),
+    ],
+)
+def test_bad_rope_overrides(rope, message):
+    with pytest.raises(ValueError, match=message):
+        Pipeline.from_spec({"preset": "ar", "model": dict(TINY_SPEC, rope=rope)})

@@ -143,6 +143,26 @@ class SamplingSpec:
         return {k: v for k, v in attrs.asdict(self).items() if v is not None and k != "greedy"}
 
 
+ROPE_TYPES = ("yarn", "linear", "dynamic")
+
+
+def _rope(value):
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise SpecError(f"model.rope must be a table like {{type = \"yarn\", factor = 16}}, got {value!r}")
+    unknown = sorted(set(value) - {"type", "factor"})
+    if unknown:
+        raise SpecError(f"model.rope has unknown key(s) {unknown}; valid: ['type', 'factor']")
+    kind = value.get("type", "yarn")
+    if kind not in ROPE_TYPES:
+        raise SpecError(f"model.rope.type must be one of {list(ROPE_TYPES)}, got {kind!r}")
+    factor = value.get("factor")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 1:
+        raise SpecError(f"model.rope.factor must be a number > 1, got {factor!r}")
+    return {"type": kind, "factor": float(factor)}
+
+
 def _dtype(value):
     if value not in DTYPES:
         raise SpecError(f"model.dtype must be one of {list(DTYPES)}, got {value!r}")
@@ -169,6 +189,8 @@ class ModelSpec:
     seed: int = attrs.field(default=0, converter=int)
     dtype: str = attrs.field(default="float32", validator=lambda i, a, v: _dtype(v))
     device: str = attrs.field(default="cpu", validator=lambda i, a, v: _device(v))
+    # RoPE-scaling override for runs past the trained context, e.g. {type = "yarn", factor = 16}.
+    rope: dict[str, Any] | None = attrs.field(default=None, converter=lambda v: _rope(v), hash=False)
 
     def __attrs_post_init__(self):
         if (self.path is None) == (self.tiny is None):

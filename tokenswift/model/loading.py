@@ -71,14 +71,40 @@ def check_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def tiny_model(config: Mapping[str, Any], *, seed: int = 0, dtype: str = "float32", device: str = "cpu"):
+def apply_rope_scaling(config, rope: Mapping[str, Any] | None):
+    """Stretch the model's RoPE by ``rope["factor"]`` (``yarn``, ``linear`` or
+    ``dynamic``) and its context length with it; the trained length becomes
+    ``original_max_position_embeddings``."""
+    if rope is None:
+        return config
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    original = int(config.max_position_embeddings)
+    config.rope_parameters = {
+        "rope_type": rope["type"],
+        "rope_theta": theta,
+        "factor": float(rope["factor"]),
+        "original_max_position_embeddings": original,
+    }
+    config.max_position_embeddings = int(original * rope["factor"])
+    return config
+
+
+def tiny_model(
+    config: Mapping[str, Any],
+    *,
+    seed: int = 0,
+    dtype: str = "float32",
+    device: str = "cpu",
+    rope: Mapping[str, Any] | None = None,
+):
     """A random causal LM from a config dict (``model_type`` plus config fields)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = dict(config)
     model_type = config.pop("model_type", "llama")
     try:
-        cfg = AutoConfig.for_model(model_type, **config)
+        cfg = apply_rope_scaling(AutoConfig.for_model(model_type, **config), rope)
     except ValueError as exc:
         raise ModelLoadError(f"cannot build a tiny {model_type!r} model: {exc}") from None
     with torch.random.fork_rng(devices=[]):
@@ -93,14 +119,15 @@ def _require_gguf_support() -> None:
         raise ModelLoadError(f"loading a GGUF file needs {missing}; install with: pip install {' '.join(missing)}")
 
 
-def _load_pretrained(directory: Path, dtype: torch.dtype, gguf_file: str | None):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _load_pretrained(directory: Path, dtype: torch.dtype, gguf_file: str | None, rope=None):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     kwargs: dict[str, Any] = {"local_files_only": True}
     if gguf_file is not None:
         kwargs["gguf_file"] = gguf_file
     try:
-        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)
+        config = apply_rope_scaling(AutoConfig.from_pretrained(directory, **kwargs), rope)
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, config=config, **kwargs)
     except (OSError, ValueError, RuntimeError) as exc:
         what = directory / gguf_file if gguf_file else directory
         raise ModelLoadError(f"cannot load a model from {what}: {str(exc).splitlines()[0]}") from None
@@ -161,7 +188,7 @@ def load_model(spec: ModelSpec):
     device = check_device(spec.device)
     dtype = resolve_dtype(spec.dtype)
     if spec.tiny is not None:
-        return tiny_model(spec.tiny, seed=spec.seed, dtype=spec.dtype, device=spec.device), None
+        return tiny_model(spec.tiny, seed=spec.seed, dtype=spec.dtype, device=spec.device, rope=spec.rope), None
     gguf_file = None
     if spec.path in PACKAGED_MODELS:
         path = PACKAGED_MODELS[spec.path].locate()
@@ -182,5 +209,5 @@ def load_model(spec: ModelSpec):
             f"model path {str(spec.path)!r} not found: expected a local transformers directory, "
             f"a .gguf file, or a packaged model name ({sorted(PACKAGED_MODELS)})"
         )
-    model, tokenizer = _load_pretrained(directory, dtype, gguf_file)
+    model, tokenizer = _load_pretrained(directory, dtype, gguf_file, spec.rope)
     return model.to(device).eval(), tokenizer
