@@ -93,7 +93,7 @@ def test_rope_scaling_override_stretches_the_context(tmp_path):
     prompt = list(range(1, 40))
     assert pipe.generate(prompt, 10, ignore_eos=True).tokens != plain.generate(prompt, 10, ignore_eos=True).tokens
     fast = Pipeline.from_spec(
-        {"preset": "tokenswift", "drafter": {"heads": "random"}, "cache": {"budget": 16}}, pipe.model
+        {"preset": "tokenswift", "drafter": {"heads": "random"}, "cache": {"budget": 16, "sink": 2}}, pipe.model
     )
     assert_lossless(fast, prompt, 20, seed=3)  # scaled RoPE changes the model, never the contract
     # A saved directory takes the same override.
