@@ -14,3 +14,14 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 def _no_plugins(monkeypatch):
     """Tests see the built-ins only, unless a test installs plugins itself."""
     monkeypatch.setenv("TOKENSWIFT_DISABLE_PLUGINS", "all")
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    """A saved tiny Llama (GQA, float32) with a word-level tokenizer, for CLI runs."""
+    from tokenswift.testing import tiny_model_for, word_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny")
+    tiny_model_for("llama-gqa", "float32").save_pretrained(path)
+    word_tokenizer().save_pretrained(path)
+    return path

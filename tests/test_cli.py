@@ -5,15 +5,7 @@ import json
 import pytest
 
 from tokenswift.cli import main
-from tokenswift.testing import word_tokenizer, tiny_model_for
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    tiny_model_for("llama-gqa", "float32").save_pretrained(path)
-    word_tokenizer().save_pretrained(path)
-    return path
+from tokenswift.testing import tiny_model_for
 
 
 def run(capsys, *argv):

@@ -9,15 +9,6 @@ import time
 import pytest
 
 from tokenswift.checkpoint import Checkpoint
-from tokenswift.testing import tiny_model_for, word_tokenizer
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    tiny_model_for("llama-gqa", "float32").save_pretrained(path)
-    word_tokenizer().save_pretrained(path)
-    return path
 
 
 def generate_cmd(model_dir, out, sampling, *extra):
