@@ -89,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--methods", help="comma-separated subset of: " + ", ".join(("hf-generate", "hf-prompt-lookup", "ar", "tokenswift", "medusa", "prompt-lookup")))
     bench.add_argument("--out", default="bench-out", help="directory for bench.json, bench.md and bench.png")
 
+    ablate = sub.add_parser("ablate", help="sweep a grid of component choices and parameters")
+    ablate.add_argument("--grid", required=True, help="grid TOML (base spec, axes or cells, prompt, seeds, lengths)")
+    ablate.add_argument("--out", help="directory for ablation.csv/.md and plots (default: ablation-<grid name>)")
+
     sub.add_parser("components", help="list registered components and presets")
     return parser
 
@@ -101,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_generate(args)
         if args.command == "components":
             return cmd_components()
+        if args.command == "ablate":
+            return cmd_ablate(args)
         if args.command == "bench":
             return cmd_bench(args)
         if args.command == "train-heads":
@@ -383,6 +389,27 @@ def cmd_bench(args) -> int:
     paths = write_reports(results, info, args.out)
     print(markdown_table(results), end="")
     print(f"wrote {', '.join(str(p) for p in paths.values())}", file=sys.stderr)
+    return 0
+
+
+def cmd_ablate(args) -> int:
+    from tqdm import tqdm
+
+    from tokenswift.ablate import Grid, run_ablation, write_reports
+
+    grid = Grid.load(args.grid)
+    out = args.out or f"ablation-{Path(args.grid).stem}"
+    bar = tqdm(total=2 * len(grid.cells) * len(grid.seeds), unit="run", file=sys.stderr, dynamic_ncols=True)
+
+    def progress(label):
+        bar.set_description(label[:60], refresh=False)
+        bar.update(1)
+
+    rows = run_ablation(grid, out, progress=progress)
+    bar.close()
+    paths = write_reports(rows, out)
+    print(paths["markdown"].read_text(), end="")
+    print(f"wrote {out}/ablation.csv and {', '.join(str(p) for p in paths.values())}", file=sys.stderr)
     return 0
 
 

@@ -106,6 +106,7 @@ class StepRecord:
 
     step: int
     tree_size: int  # nodes below the root
+    depth: int  # the tree's depth (0: nothing drafted)
     accepted: int  # drafted tokens accepted
     emitted: list[int]  # accepted tokens + bonus (cut at max_new_tokens / EOS)
     generated: int  # new tokens so far, these included
@@ -458,6 +459,7 @@ class Pipeline:
                 step=StepRecord(
                     step=state.step,
                     tree_size=len(tree) - 1,
+                    depth=tree.depth,
                     accepted=len(verdict.accepted),
                     emitted=emitted,
                     generated=state.generated,
