@@ -77,3 +77,14 @@ def test_grid_errors(tmp_path, capsys):
     path.write_text('base = "ar"\n[axes]\n"drafter.name" = ["nope"]\n[model]\ntiny = {model_type = "llama"}\n')
     assert main(["ablate", "--grid", str(path), "--out", str(tmp_path / "out")]) == 2
     assert "1 invalid cell(s): [drafter.name=nope] unknown drafter 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["token_reuse", "penalty", "cache", "drafter", "tree"])
+def test_shipped_grids_are_valid(name):
+    from pathlib import Path
+
+    from tokenswift.ablate import cell_specs
+    from tokenswift.registry import build_registry, get_plugin_manager
+
+    grid = Grid.load(Path(__file__).resolve().parent.parent / "benchmarks" / "grids" / f"{name}.toml")
+    assert len(cell_specs(grid, build_registry(get_plugin_manager()))) == len(grid.cells) >= 2
