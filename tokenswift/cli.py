@@ -92,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     ablate = sub.add_parser("ablate", help="sweep a grid of component choices and parameters")
     ablate.add_argument("--grid", required=True, help="grid TOML (base spec, axes or cells, prompt, seeds, lengths)")
     ablate.add_argument("--out", help="directory for ablation.csv/.md and plots (default: ablation-<grid name>)")
+    ablate.add_argument("--new-tokens", type=int, help="override the grid's new_tokens (shorter runs)")
 
     sub.add_parser("components", help="list registered components and presets")
     return parser
@@ -398,6 +399,12 @@ def cmd_ablate(args) -> int:
     from tokenswift.ablate import Grid, run_ablation, write_reports
 
     grid = Grid.load(args.grid)
+    if args.new_tokens is not None:
+        if args.new_tokens <= 0:
+            raise CliError(f"--new-tokens must be a positive integer, got {args.new_tokens}")
+        import attrs
+
+        grid = attrs.evolve(grid, new_tokens=args.new_tokens)
     out = args.out or f"ablation-{Path(args.grid).stem}"
     bar = tqdm(total=2 * len(grid.cells) * len(grid.seeds), unit="run", file=sys.stderr, dynamic_ncols=True)
 
