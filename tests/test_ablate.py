@@ -43,7 +43,7 @@ def test_sweep_writes_csv_resumes_and_plots(tmp_path):
                    "speedup_vs_ar", "tokens_per_step", "acceptance_rate", "retriever_share",
                    "distinct_1", "distinct_4", "peak_rss_mib"):
         assert column in columns
-    cells = [r for r in written if not r["label"].startswith("ar |")]
+    cells = [r for r in written if not r["label"].startswith("ar: ")]
     assert len(cells) == 4 and len(written) == 6  # 2 x 2 cells + one ar run per penalty setting
     assert all(float(r["speedup_vs_ar"]) > 0 for r in cells)
     assert {r["label"] for r in cells} == {

@@ -44,6 +44,7 @@ METRICS = [
     "distinct_1", "distinct_2", "distinct_3", "distinct_4", "peak_rss_mib", "new_tokens", "seconds",
 ]
 SECTIONS = (*COMPONENT_KINDS, "sampling")
+AR_PREFIX = "ar: "  # labels of the reference runs
 
 
 @attrs.frozen(kw_only=True)
@@ -168,7 +169,7 @@ def run_ablation(
     jobs = []
     for label, spec in zip(grid.labels, specs):
         for seed in grid.seeds:
-            jobs.append((f"ar | {_short(spec['penalty'])} | {_short(spec['sampling'])}", _ar_spec(spec), seed))
+            jobs.append((f"{AR_PREFIX}penalty={_short(spec['penalty'])}; sampling={_short(spec['sampling'])}", _ar_spec(spec), seed))
             jobs.append((label, spec, seed))
     for label, spec, seed in jobs:
         cell_id = _cell_id(spec, seed, grid)
@@ -221,7 +222,7 @@ def run_ablation(
 
 
 def _with_speedups(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    ar = {(r["penalty"], r["sampling"], str(r["seed"])): float(r["tokens_per_second"]) for r in rows if r["label"].startswith("ar |")}
+    ar = {(r["penalty"], r["sampling"], str(r["seed"])): float(r["tokens_per_second"]) for r in rows if r["label"].startswith(AR_PREFIX)}
     out = []
     for r in rows:
         base = ar.get((r["penalty"], r["sampling"], str(r["seed"])))
@@ -269,7 +270,7 @@ def write_reports(rows: list[dict[str, Any]], out_dir: str | Path) -> dict[str, 
     lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
     paths["markdown"].write_text("\n".join(lines) + "\n")
     curves = json.loads((out_dir / "curves.json").read_text()) if (out_dir / "curves.json").exists() else {}
-    cells = [r for r in rows if not r["label"].startswith("ar |")]
+    cells = [r for r in rows if not r["label"].startswith(AR_PREFIX)]
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for r in cells:
