@@ -130,6 +130,22 @@ class GenerationResult:
     prompt_tokens: list[int]
 
 
+@attrs.define(kw_only=True, eq=False)
+class _Run:
+    """What the decoding loop of one generation works with."""
+
+    state: DecodeState
+    sampler: Sampler
+    eos: set[int]
+    max_new_tokens: int
+    counter: _StatsCounter
+    started: float
+    stream: Callable[[StreamChunk], None] | None
+    decoder: IncrementalDecoder | None
+    save_checkpoint: Callable[[], None] | None
+    checkpoint_every: int
+
+
 class _StatsCounter:
     def __init__(self) -> None:
         self.steps = self.proposed = self.accepted = self.retrieved = self.depth = 0
@@ -331,6 +347,8 @@ class Pipeline:
                 resume.prompt_tokens, resume.max_new_tokens, resume.seed, resume.ignore_eos
             )
         prompt_ids = self.check(prompt, max_new_tokens)
+        if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every <= 0:
+            raise ValueError(f"checkpoint_every must be a positive integer, got {checkpoint_every!r}")
         seed = secrets.randbits(63) if seed is None else int(seed)
         done_before = list(resume.tokens) if resume is not None else []
         hook = self.plugin_manager.hook
@@ -354,7 +372,6 @@ class Pipeline:
         finish_reason = "length"
         if resume is not None and resume.done:
             finish_reason = resume.finish_reason
-        next_checkpoint = (state.generated // checkpoint_every + 1) * checkpoint_every
 
         def save_checkpoint(reason: str | None) -> None:
             Checkpoint(
@@ -368,12 +385,21 @@ class Pipeline:
                 finish_reason=reason,
             ).save(checkpoint)
 
+        run = _Run(
+            state=state,
+            sampler=sampler,
+            eos=eos,
+            max_new_tokens=max_new_tokens,
+            counter=counter,
+            started=started,
+            stream=stream,
+            decoder=decoder,
+            save_checkpoint=(lambda: save_checkpoint(None)) if checkpoint is not None else None,
+            checkpoint_every=checkpoint_every,
+        )
         try:
             if resume is None or not resume.done:
-                finish_reason = self._decode(
-                    state, sampler, eos, max_new_tokens, counter, started, stream, decoder,
-                    finish_reason, checkpoint and (lambda: save_checkpoint(None)), checkpoint_every, next_checkpoint,
-                )
+                finish_reason = self._decode(run)
         except KeyboardInterrupt:
             logger.warning("interrupted after %d new tokens", state.generated)
             finish_reason = "interrupted"
@@ -402,13 +428,12 @@ class Pipeline:
         hook.tokenswift_generation_end(pipeline=self, result=result)
         return result
 
-    def _decode(
-        self, state, sampler, eos, max_new_tokens, counter, started, stream, decoder,
-        finish_reason, save_checkpoint, checkpoint_every, next_checkpoint,
-    ) -> str:
-        """The decoding loop; returns why it stopped."""
-        runner = self.runner
-        hook = self.plugin_manager.hook
+    def _decode(self, run: _Run) -> str:
+        """The decoding loop; returns why it stopped ("length", "eos", "non-finite scores")."""
+        runner, hook = self.runner, self.plugin_manager.hook
+        state, sampler, counter, max_new_tokens = run.state, run.sampler, run.counter, run.max_new_tokens
+        finish_reason = "length"
+        next_checkpoint = (state.generated // run.checkpoint_every + 1) * run.checkpoint_every
         while state.generated < max_new_tokens:
             clock = time.perf_counter()
             tree = self._propose(state)
@@ -441,7 +466,7 @@ class Pipeline:
             emitted = [tree.tokens[i] for i in verdict.accepted] + [verdict.bonus]
             emitted = emitted[: max_new_tokens - state.generated]
             for i, token in enumerate(emitted):
-                if token in eos:
+                if token in run.eos:
                     emitted = emitted[: i + 1]
                     finish_reason = "eos"
                     break
@@ -463,14 +488,14 @@ class Pipeline:
                     accepted=len(verdict.accepted),
                     emitted=emitted,
                     generated=state.generated,
-                    seconds=time.perf_counter() - started,
+                    seconds=time.perf_counter() - run.started,
                 ),
             )
-            if stream is not None:
-                stream(StreamChunk(tokens=emitted, text=decoder.push(emitted) if decoder else None))
-            if save_checkpoint and state.generated >= next_checkpoint and state.generated < max_new_tokens:
-                save_checkpoint()
-                next_checkpoint = (state.generated // checkpoint_every + 1) * checkpoint_every
+            if run.stream is not None:
+                run.stream(StreamChunk(tokens=emitted, text=run.decoder.push(emitted) if run.decoder else None))
+            if run.save_checkpoint and next_checkpoint <= state.generated < max_new_tokens:
+                run.save_checkpoint()
+                next_checkpoint = (state.generated // run.checkpoint_every + 1) * run.checkpoint_every
             if finish_reason == "eos":
                 return finish_reason
 
