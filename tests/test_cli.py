@@ -5,7 +5,7 @@ import json
 import pytest
 
 from tokenswift.cli import main
-from tokenswift.testing import tiny_model_for
+from tokenswift.testing import tiny_model_for, word_tokenizer
 
 
 def run(capsys, *argv):
@@ -33,7 +33,8 @@ def test_generate_streams_to_stdout(model_dir, capsys):
         capsys, "generate", "--model", str(model_dir), "--dtype", "float32", "--prompt", "a dog",
         "--max-new-tokens", "6", "--greedy", "--ignore-eos", "--quiet",
     )
-    assert code == 0 and set(out.split()) <= {"the", "cat", "sat", "on", "mat", "a", "dog"} and err == ""
+    assert code == 0 and err == ""
+    assert len(out.split()) == 6 and set(out.split()) <= set(word_tokenizer().get_vocab())
 
 
 def test_spec_file(tmp_path, model_dir, capsys):

@@ -47,13 +47,15 @@ def tiny_model_for(name: str, dtype: str = "float64", seed: int = 0) -> torch.nn
     return tiny_model(TINY_CONFIGS[name], seed=seed, dtype=dtype)
 
 
-def word_tokenizer():
-    """A tiny word-level tokenizer (vocabulary: <unk> the cat sat on mat a dog), enough
-    to save beside a tiny model and drive the CLI with text prompts."""
+def word_tokenizer(size: int = 64):
+    """A word-level tokenizer for the tiny models: ``<unk> the cat sat on mat a dog``,
+    then ``w8``..``w{size-1}``, so that every id a tiny model emits decodes to a word.
+    Enough to save beside a tiny model and drive the CLI with text prompts."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {w: i for i, w in enumerate(["<unk>", "the", "cat", "sat", "on", "mat", "a", "dog"])}
+    words = ["<unk>", "the", "cat", "sat", "on", "mat", "a", "dog"]
+    vocab = {w: i for i, w in enumerate(words + [f"w{i}" for i in range(len(words), size)])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
