@@ -145,7 +145,7 @@ def run_ablation(
 ) -> list[dict[str, Any]]:
     """Run every cell (and its ``ar`` reference) and write ``ablation.csv``; returns the rows."""
     from tokenswift import Pipeline, hookimpl
-    from tokenswift.bench import _peak_rss_mib, _reset_peak_rss, distinct_n
+    from tokenswift.bench import peak_rss_mib, reset_peak_rss, distinct_n
     from tokenswift.model.loading import load_model
     from tokenswift.prompts import prompt_ids
     from tokenswift.registry import build_registry, get_plugin_manager
@@ -192,7 +192,7 @@ def run_ablation(
                 curve.append((step.generated, accepted / depth if depth else 0.0))
 
         pipe.plugin_manager.register(Curve())
-        _reset_peak_rss()
+        reset_peak_rss()
         started = time.perf_counter()
         result = pipe.generate(prompt, grid.new_tokens, seed=seed, ignore_eos=True)
         seconds = time.perf_counter() - started
@@ -206,7 +206,7 @@ def run_ablation(
             "acceptance_rate": round(stats.acceptance_rate, 4),
             "retriever_share": round(stats.retriever_share, 4),
             **{f"distinct_{n}": round(distinct_n(result.tokens, n), 4) for n in (1, 2, 3, 4)},
-            "peak_rss_mib": round(_peak_rss_mib(), 1),
+            "peak_rss_mib": round(peak_rss_mib(), 1),
             "new_tokens": stats.new_tokens,
             "seconds": round(seconds, 2),
         }

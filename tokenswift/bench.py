@@ -98,14 +98,14 @@ def _agreement(tokens: list[int], reference: list[int]) -> float:
     return sum(a == b for a, b in zip(tokens, reference)) / max(len(reference), 1)
 
 
-def _reset_peak_rss() -> None:
+def reset_peak_rss() -> None:
     try:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
         pass
 
 
-def _peak_rss_mib() -> float:
+def peak_rss_mib() -> float:
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
@@ -154,7 +154,7 @@ def run_bench(
     results: list[MethodResult] = []
     outputs: dict[str, list[int]] = {}
     for method in config.methods:
-        _reset_peak_rss()
+        reset_peak_rss()
         started = time.perf_counter()
         stamps: list[float] = []
         stats = None
@@ -220,7 +220,7 @@ def run_bench(
                 speedup=None,
                 tokens_per_step=round(stats.tokens_per_step, 3) if stats else None,
                 acceptance_rate=round(stats.acceptance_rate, 3) if stats else None,
-                peak_rss_mib=round(_peak_rss_mib(), 1),
+                peak_rss_mib=round(peak_rss_mib(), 1),
                 block_ms_per_token=blocks,
                 identical_to_ar=None,
                 distinct=[round(distinct_n(tokens, n), 4) for n in (1, 2, 3, 4)],

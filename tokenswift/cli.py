@@ -239,20 +239,18 @@ def cmd_generate(args) -> int:
     out_file = None
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
-        decoder = IncrementalDecoder(pipe.tokenizer) if pipe.tokenizer is not None else None
         if args.out:
             # Written as it is generated (flushed every step); a checkpoint beside it
             # lets --resume continue after a crash, kill or Ctrl-C.
             out_file = open(args.out, "w", encoding="utf-8")
-            if resume is not None and decoder is not None:
-                out_file.write(decoder.push(resume.tokens))
+            if resume is not None and pipe.tokenizer is not None:
+                out_file.write(IncrementalDecoder(pipe.tokenizer).prime(resume.tokens))
                 out_file.flush()
 
         def stream(chunk):
-            text = decoder.push(chunk.tokens) if decoder is not None else None
-            if text:
+            if chunk.text:
                 target = out_file or sys.stdout
-                target.write(text)
+                target.write(chunk.text)
                 target.flush()
 
         result = pipe.generate(

@@ -21,6 +21,13 @@ class IncrementalDecoder:
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
+    def prime(self, tokens: list[int]) -> str:
+        """Start after ``tokens`` that were already emitted (a resumed run); returns their text."""
+        self.tokens = list(tokens)
+        self.read_offset = len(self.tokens)
+        self.prefix_offset = max(0, self.read_offset - self.context_tokens)
+        return self._decode(self.tokens)
+
     def push(self, new_tokens: list[int]) -> str:
         self.tokens.extend(new_tokens)
         prefix_text = self._decode(self.tokens[self.prefix_offset : self.read_offset])

@@ -368,6 +368,8 @@ class Pipeline:
             component.start(state)
         eos = set() if ignore_eos else self.eos_token_ids()
         decoder = IncrementalDecoder(self.tokenizer) if (stream and self.tokenizer is not None) else None
+        if decoder is not None and done_before:
+            decoder.prime(done_before)  # stream deltas continue the resumed text seamlessly
         counter = _StatsCounter()
         finish_reason = "length"
         if resume is not None and resume.done:
