@@ -1,6 +1,7 @@
 """The ``tokenswift`` command line. It owns the terminal: library code only logs.
 
-Bad input gives one line on stderr and exit status 2, never a traceback.
+Bad input gives one line on stderr and exit status 2, never a traceback. Under
+``torchrun`` every rank runs the same command; rank 0 alone prints and writes files.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import signal
 import sys
 from pathlib import Path
 
+from tokenswift import distributed
 from tokenswift.errors import PluginError, TokenswiftError
 
 DEFAULT_MODEL = "smollm2"
@@ -113,10 +115,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train-heads":
             return cmd_train_heads(args, argv)
     except (CliError, TokenswiftError, ValueError, TypeError, OSError) as exc:
-        print(f"tokenswift: error: {exc}", file=sys.stderr)
+        if distributed.is_primary():  # the ranks of a torchrun all fail alike
+            print(f"tokenswift: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        print("tokenswift: interrupted", file=sys.stderr)
+        if distributed.is_primary():
+            print("tokenswift: interrupted", file=sys.stderr)
         return 130
     return 0
 
@@ -124,7 +128,10 @@ def main(argv: list[str] | None = None) -> int:
 def _configure_logging(args) -> None:
     from transformers.utils import logging as hf_logging
 
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    level = logging.INFO if args.verbose else logging.WARNING
+    if not distributed.is_primary():
+        level = logging.ERROR  # the other ranks of a torchrun would repeat rank 0's notices
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     if not args.verbose:
         hf_logging.set_verbosity_error()  # transformers' own notices are not the user's business
         hf_logging.disable_progress_bar()  # loading takes under a second from the converted copy
@@ -224,8 +231,11 @@ def cmd_generate(args) -> int:
 
     # The live bar shares the terminal with streamed text only when the text goes elsewhere.
     text_on_terminal = args.out is None and sys.stdout.isatty()
+    primary = distributed.is_primary()  # under torchrun, rank 0 alone writes
     progress = _Progress(
-        max_new_tokens, enabled=not args.quiet and not text_on_terminal, initial=len(resume.tokens) if resume else 0
+        max_new_tokens,
+        enabled=primary and not args.quiet and not text_on_terminal,
+        initial=len(resume.tokens) if resume else 0,
     )
     ignore_eos = args.ignore_eos if args.ignore_eos is not None else (args.prompt is None and args.prompt_file is None)
 
@@ -239,7 +249,7 @@ def cmd_generate(args) -> int:
     out_file = None
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
-        if args.out:
+        if args.out and primary:
             # Written as it is generated (flushed every step); a checkpoint beside it
             # lets --resume continue after a crash, kill or Ctrl-C.
             out_file = open(args.out, "w", encoding="utf-8")
@@ -263,7 +273,7 @@ def cmd_generate(args) -> int:
             checkpoint_every=args.checkpoint_every,
             resume=resume,
         )
-        if out_file is None:
+        if out_file is None and primary:
             sys.stdout.write("\n")
     finally:
         signal.signal(signal.SIGTERM, previous_sigterm)
@@ -272,6 +282,8 @@ def cmd_generate(args) -> int:
         if out_file is not None:
             out_file.close()
 
+    if not primary:
+        return {"interrupted": 130, "non-finite scores": 1}.get(result.stats.finish_reason, 0)
     summary = {"preset": pipe.spec.preset, "seed": result.seed, **result.stats.summary()}
     if args.stats_json:
         Path(args.stats_json).write_text(json.dumps(summary, indent=2) + "\n")

@@ -25,6 +25,7 @@ from typing import Any
 import attrs
 import torch
 
+from tokenswift import distributed
 from tokenswift.checkpoint import Checkpoint
 from tokenswift.detok import IncrementalDecoder
 from tokenswift.errors import NonFiniteScoresError, SpecError
@@ -309,6 +310,9 @@ class Pipeline:
     def _check_memory(self, prompt_tokens: int, max_new_tokens: int) -> None:
         estimate = self.estimate_memory(prompt_tokens, max_new_tokens)
         free = available_bytes(self.runner.device)
+        if distributed.launched():  # every rank must take the same decision
+            free = distributed.min_over_ranks(-1 if free is None else free)
+            free = None if free < 0 else free
         if free is not None and estimate.total_bytes > free:
             raise ValueError(
                 f"this run needs about {gib(estimate.total_bytes)} (KV store for {estimate.positions} positions "
@@ -349,7 +353,9 @@ class Pipeline:
         prompt_ids = self.check(prompt, max_new_tokens)
         if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every <= 0:
             raise ValueError(f"checkpoint_every must be a positive integer, got {checkpoint_every!r}")
-        seed = secrets.randbits(63) if seed is None else int(seed)
+        seed = distributed.broadcast_int(secrets.randbits(63)) if seed is None else int(seed)
+        if not distributed.is_primary():  # under torchrun, rank 0 alone streams and writes
+            stream, checkpoint = None, None
         done_before = list(resume.tokens) if resume is not None else []
         hook = self.plugin_manager.hook
         hook.tokenswift_generation_start(pipeline=self, prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens)

@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from tokenswift.distributed import full_tensor
 from tokenswift.errors import ModelLoadError
 
 CONFIG_NAME = "config.json"
@@ -32,7 +33,7 @@ def model_fingerprint(model: nn.Module) -> str:
     """A short hash of a causal LM's identity: its type, shapes and the first rows of
     its output embedding rounded to bfloat16 (stable across float32/bfloat16 loads)."""
     config = model.config
-    weight = model.get_output_embeddings().weight.detach()
+    weight = full_tensor(model.get_output_embeddings().weight.detach())  # whole, also when sharded
     digest = hashlib.sha256()
     digest.update(
         json.dumps(

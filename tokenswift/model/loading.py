@@ -19,6 +19,7 @@ from typing import Any
 import attrs
 import torch
 
+from tokenswift import distributed
 from tokenswift.errors import ModelLoadError
 from tokenswift.spec import ModelSpec
 
@@ -119,18 +120,27 @@ def _require_gguf_support() -> None:
         raise ModelLoadError(f"loading a GGUF file needs {missing}; install with: pip install {' '.join(missing)}")
 
 
-def _load_pretrained(directory: Path, dtype: torch.dtype, gguf_file: str | None, rope=None):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def _load_pretrained(directory: Path, dtype: torch.dtype, gguf_file: str | None, rope=None, tp_size: int = 1):
+    """``tp_size`` > 1: split the model with its tensor-parallel plan over that many
+    ranks (the process group must be running)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DistributedConfig
 
     kwargs: dict[str, Any] = {"local_files_only": True}
     if gguf_file is not None:
         kwargs["gguf_file"] = gguf_file
+    what = directory / gguf_file if gguf_file else directory
     try:
         config = apply_rope_scaling(AutoConfig.from_pretrained(directory, **kwargs), rope)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load a model from {what}: {str(exc).splitlines()[0]}") from None
+    if tp_size > 1:
+        distributed.check_divisible(config.get_text_config(), tp_size)
+        kwargs["distributed_config"] = DistributedConfig(tp_size=tp_size)
+    try:
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, config=config, **kwargs)
     except (OSError, ValueError, RuntimeError) as exc:
-        what = directory / gguf_file if gguf_file else directory
         raise ModelLoadError(f"cannot load a model from {what}: {str(exc).splitlines()[0]}") from None
+    kwargs.pop("distributed_config", None)
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
     except (OSError, ValueError) as exc:
@@ -183,11 +193,37 @@ def _converted_gguf(path: Path, dtype_name: str) -> Path | None:
     return target
 
 
+def _converted_gguf_once(path: Path, dtype_name: str) -> Path | None:
+    """:func:`_converted_gguf`, done by rank 0 alone when torchrun started several
+    processes (the others wait, then find the cached copy)."""
+    if not distributed.launched():
+        return _converted_gguf(path, dtype_name)
+    import torch.distributed as dist
+
+    failure = None
+    if distributed.is_primary():
+        try:
+            _converted_gguf(path, dtype_name)
+        except ModelLoadError as exc:
+            failure = exc
+    dist.barrier()
+    if failure is not None:
+        raise failure
+    return _converted_gguf(path, dtype_name)
+
+
 def load_model(spec: ModelSpec):
-    """Load ``(model, tokenizer)`` as a spec says; the tokenizer may be None."""
+    """Load ``(model, tokenizer)`` as a spec says; the tokenizer may be None.
+
+    Under torchrun with several processes a model from disk is split over them with
+    its tensor-parallel plan (see :mod:`tokenswift.distributed`); a ``tiny`` model is
+    built whole on every rank."""
     device = check_device(spec.device)
     dtype = resolve_dtype(spec.dtype)
+    distributed.init(device)
     if spec.tiny is not None:
+        if distributed.launched():
+            logger.info("tiny models are not split over ranks; every rank runs the whole model")
         return tiny_model(spec.tiny, seed=spec.seed, dtype=spec.dtype, device=spec.device, rope=spec.rope), None
     gguf_file = None
     if spec.path in PACKAGED_MODELS:
@@ -198,7 +234,7 @@ def load_model(spec: ModelSpec):
         if not path.is_file():
             raise ModelLoadError(f"GGUF file not found: {path}")
         _require_gguf_support()
-        converted = _converted_gguf(path, spec.dtype)
+        converted = _converted_gguf_once(path, spec.dtype)
         directory, gguf_file = (converted, None) if converted is not None else (path.parent, path.name)
     elif path.is_dir():
         if not (path / "config.json").is_file():
@@ -209,5 +245,8 @@ def load_model(spec: ModelSpec):
             f"model path {str(spec.path)!r} not found: expected a local transformers directory, "
             f"a .gguf file, or a packaged model name ({sorted(PACKAGED_MODELS)})"
         )
-    model, tokenizer = _load_pretrained(directory, dtype, gguf_file, spec.rope)
+    tp_size = distributed.world_size()
+    model, tokenizer = _load_pretrained(directory, dtype, gguf_file, spec.rope, tp_size)
+    if tp_size > 1:
+        return model.eval(), tokenizer  # transformers placed each rank's shard on its device
     return model.to(device).eval(), tokenizer

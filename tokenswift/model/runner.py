@@ -18,6 +18,7 @@ import logging
 import attrs
 import torch
 
+from tokenswift.distributed import tensor_parallel_size
 from tokenswift.model.attention import ScoreRecorder, register_attention
 from tokenswift.model.kv import ForwardPlan, KVStore, KVView, StoreCache
 
@@ -54,7 +55,9 @@ class Runner:
         if self.decoder is None or self.lm_head is None:
             raise ValueError(f"{type(model).__name__} has no decoder / output embeddings; a causal LM is required")
         self.num_layers = config.num_hidden_layers
-        self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        # Under tensor parallelism each rank holds (and caches) its own share of KV heads.
+        self.tp_size = tensor_parallel_size(model)
+        self.kv_heads = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) // self.tp_size
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.vocab_size = self.lm_head.weight.shape[0]
         self.dtype = next(model.parameters()).dtype
