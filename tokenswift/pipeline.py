@@ -112,6 +112,7 @@ class StepRecord:
     emitted: list[int]  # accepted tokens + bonus (cut at max_new_tokens / EOS)
     generated: int  # new tokens so far, these included
     seconds: float  # since generation start
+    stage_seconds: dict[str, float] = attrs.field(factory=dict)  # per stage (STAGES), since generation start
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -497,6 +498,7 @@ class Pipeline:
                     emitted=emitted,
                     generated=state.generated,
                     seconds=time.perf_counter() - run.started,
+                    stage_seconds=dict(counter.stage),
                 ),
             )
             if run.stream is not None:

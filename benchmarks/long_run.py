@@ -1,0 +1,198 @@
+"""One ultra-long generation, watched block by block: time per token and resident memory.
+
+    python benchmarks/long_run.py --new-tokens 100000 --rope yarn:16 --out benchmarks/results/long-100k
+
+The demo model was trained on 8,192 positions, so a run past that needs a RoPE-scaling
+override (``--rope TYPE:FACTOR``, the model spec's ``rope`` option). For every block of
+``--block`` new tokens it records the milliseconds per token (all of it, and the
+drafting stage alone: the part a partial drafting cache keeps flat; verification always
+reads the whole cache, so it grows with the context), the resident memory (VmRSS), and
+the bound the run must stay within: 1.2 x (resident memory after loading, i.e. weights
+and runtime, + the run's predicted KV store and drafting view). Writes ``long_run.json``
+after every block (an interrupted run keeps its curve), ``long_run.png`` and
+``long_run.md``; ``--resume`` continues an interrupted run from its checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from tokenswift import Pipeline, hookimpl
+from tokenswift.bench import peak_rss_mib
+from tokenswift.checkpoint import Checkpoint
+from tokenswift.prompts import prompt_ids
+
+MIB = 2**20
+
+
+def resident_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def parse_rope(value: str | None) -> dict | None:
+    if value is None:
+        return None
+    kind, _, factor = value.partition(":")
+    try:
+        return {"type": kind, "factor": float(factor)}
+    except ValueError:
+        raise SystemExit(f"long_run.py: error: --rope must be TYPE:FACTOR (e.g. yarn:16), got {value!r}") from None
+
+
+class BlockRecorder:
+    """A pluggy observer: one record per ``block`` new tokens."""
+
+    def __init__(self, block: int, bar: tqdm, on_block) -> None:
+        self.block, self.bar, self.on_block = block, bar, on_block
+        self.blocks: list[dict] = []
+        self.mark = None  # (generated, seconds, propose seconds) at the last block end
+
+    @hookimpl
+    def tokenswift_step_end(self, pipeline, step):
+        self.bar.update(len(step.emitted))
+        if self.mark is None:
+            self.mark = (step.generated - len(step.emitted), 0.0, 0.0)
+        generated, seconds, propose = self.mark
+        if step.generated - generated < self.block and step.generated < self.bar.total:
+            return
+        tokens = step.generated - generated
+        self.blocks.append(
+            {
+                "generated": step.generated,
+                "ms_per_token": round(1000 * (step.seconds - seconds) / tokens, 2),
+                "draft_ms_per_token": round(1000 * (step.stage_seconds["propose"] - propose) / tokens, 2),
+                "rss_mib": round(resident_mib(), 1),
+            }
+        )
+        self.mark = (step.generated, step.seconds, step.stage_seconds["propose"])
+        self.bar.set_postfix({"ms/tok": self.blocks[-1]["ms_per_token"], "RSS MiB": self.blocks[-1]["rss_mib"]})
+        self.on_block(self.blocks)
+
+
+def plot(record: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    blocks = record["blocks"]
+    x = [b["generated"] / 1000 for b in blocks]
+    fig, (time_ax, mem_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    time_ax.plot(x, [b["ms_per_token"] for b in blocks], marker=".", label="whole step")
+    time_ax.plot(x, [b["draft_ms_per_token"] for b in blocks], marker=".", label="drafting stage")
+    time_ax.set(xlabel="generated tokens (K)", ylabel="ms per token", title=f"time per {record['block']}-token block")
+    time_ax.set_ylim(bottom=0)
+    time_ax.legend()
+    mem_ax.plot(x, [b["rss_mib"] for b in blocks], marker=".", label="resident (VmRSS)")
+    mem_ax.axhline(record["bound_mib"], color="red", linestyle="--", label="bound: 1.2 x (loaded + predicted)")
+    mem_ax.set(xlabel="generated tokens (K)", ylabel="MiB", title="resident memory")
+    mem_ax.set_ylim(bottom=0)
+    mem_ax.legend()
+    fig.suptitle(record["title"], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def markdown(record: dict) -> str:
+    blocks = record["blocks"]
+    lines = [
+        f"{record['title']}",
+        "",
+        f"loaded (weights + runtime): {record['loaded_mib']} MiB; predicted KV store + drafting view: "
+        f"{record['predicted_mib']} MiB; bound {record['bound_mib']} MiB; peak resident {record['peak_rss_mib']} MiB",
+        "",
+        "| generated | ms/token | drafting ms/token | resident MiB |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| {b['generated']} | {b['ms_per_token']} | {b['draft_ms_per_token']} | {b['rss_mib']} |" for b in blocks]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--preset", default="tokenswift")
+    parser.add_argument("--heads", help="heads for the tokenswift/medusa presets (default: shipped, or random for other models)")
+    parser.add_argument("--prompt-tokens", type=int, default=2048)
+    parser.add_argument("--new-tokens", type=int, default=100_000)
+    parser.add_argument("--rope", default="yarn:16", help="RoPE-scaling override TYPE:FACTOR, or 'none'")
+    parser.add_argument("--block", type=int, default=1000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="long-run-out")
+    parser.add_argument("--resume", action="store_true", help="continue the run checkpointed in --out")
+    args = parser.parse_args(argv)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    checkpoint_path = out / "long_run.ckpt"
+    resume = Checkpoint.load(checkpoint_path) if args.resume else None
+    rope = None if args.rope == "none" else parse_rope(args.rope)
+    spec = {"preset": args.preset, "model": {"path": args.model, "dtype": args.dtype, "rope": rope}}
+    if args.heads:
+        spec["drafter"] = {"heads": args.heads}
+    pipe = Pipeline.from_spec(resume.spec if resume else spec)
+    prompt = resume.prompt_tokens if resume else prompt_ids(pipe.tokenizer, args.prompt_tokens)
+    new_tokens = resume.max_new_tokens if resume else args.new_tokens
+    estimate = pipe.estimate_memory(len(prompt), new_tokens)
+    loaded = resident_mib()
+    predicted = (estimate.kv_bytes + estimate.view_bytes) / MIB
+    record = {
+        "title": f"{args.preset} on {args.model} ({args.dtype}), {len(prompt)}-token prompt + {new_tokens} "
+        f"new tokens, rope {args.rope}",
+        "command": "python benchmarks/long_run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "block": args.block,
+        "loaded_mib": round(loaded, 1),
+        "predicted_mib": round(predicted, 1),
+        "bound_mib": round(1.2 * (loaded + predicted), 1),
+        "blocks": [],
+    }
+    json_path = out / "long_run.json"
+    if resume and json_path.is_file():
+        record = json.loads(json_path.read_text())  # the interrupted run's settings and blocks go on
+
+    def save(blocks):
+        record["blocks"] = previous + blocks
+        record["peak_rss_mib"] = round(peak_rss_mib(), 1)
+        staging = json_path.with_suffix(".tmp")
+        staging.write_text(json.dumps(record, indent=1) + "\n")
+        staging.replace(json_path)
+
+    previous = list(record["blocks"])
+    done = len(resume.tokens) if resume else 0
+    with tqdm(total=new_tokens, initial=done, unit="tok", dynamic_ncols=True, file=sys.stderr) as bar:
+        recorder = BlockRecorder(record["block"], bar, save)
+        pipe.plugin_manager.register(recorder)
+        started = time.perf_counter()
+        result = pipe.generate(
+            prompt, new_tokens, seed=args.seed, ignore_eos=True,
+            checkpoint=checkpoint_path, checkpoint_every=args.block, resume=resume,
+        )
+    save(recorder.blocks)
+    record["summary"] = {**result.stats.summary(), "wall_seconds": round(time.perf_counter() - started, 1)}
+    save(recorder.blocks)
+    plot(record, out / "long_run.png")
+    (out / "long_run.md").write_text(markdown(record))
+    print(markdown(record), end="")
+    if result.stats.finish_reason == "interrupted":
+        print(f"interrupted; continue with: python benchmarks/long_run.py --out {args.out} --resume", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # before generation started: nothing to keep
+        print("long_run.py: interrupted", file=sys.stderr)
+        sys.exit(130)
