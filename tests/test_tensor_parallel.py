@@ -66,3 +66,12 @@ def test_cli_under_torchrun_writes_from_rank_0_only(model_dir, tmp_path):
 def test_heads_that_do_not_divide_by_the_world_size_are_refused(model_dir):
     with pytest.raises(ModelLoadError, match=r"over 3 processes.*4 attention heads and 2 KV heads"):
         _load_pretrained(model_dir, torch.float32, None, tp_size=3)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only case")
+def test_a_device_other_than_the_machines_accelerator_is_refused_under_torchrun():
+    from tokenswift.distributed import check_device_type
+
+    check_device_type(torch.device("cpu"))
+    with pytest.raises(ModelLoadError, match=r"split over this machine's cpu devices.*'cuda'"):
+        check_device_type(torch.device("cuda"))

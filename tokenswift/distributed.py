@@ -59,6 +59,7 @@ def init(device: torch.device) -> None:
     and nobody has started it yet."""
     if not launched() or dist.is_initialized():
         return
+    check_device_type(device)
     if device.type == "cuda":
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
@@ -68,6 +69,18 @@ def init(device: torch.device) -> None:
     dist.init_process_group(backend)
     atexit.register(_shutdown)
     logger.info("rank %d of %d: process group started (%s)", rank(), world_size(), backend)
+
+
+def check_device_type(device: torch.device) -> None:
+    """transformers splits a model over this machine's accelerator (CPU when it has
+    none); refuse a spec that asks for another device type."""
+    accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    expected = "cpu" if accelerator is None else accelerator.type
+    if device.type != expected:
+        raise ModelLoadError(
+            f"under torchrun the model is split over this machine's {expected} devices, one per process; "
+            f"set the model's device to {expected!r} (the spec asks for {str(device)!r})"
+        )
 
 
 def check_divisible(config, size: int) -> None:
