@@ -26,15 +26,19 @@ from tokenswift.errors import ModelLoadError
 logger = logging.getLogger(__name__)
 
 
+def _group_running() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 def world_size() -> int:
     """Processes in this run: ``WORLD_SIZE`` as torchrun sets it (1 when not launched by it)."""
-    if dist.is_available() and dist.is_initialized():
+    if _group_running():
         return dist.get_world_size()
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def rank() -> int:
-    if dist.is_available() and dist.is_initialized():
+    if _group_running():
         return dist.get_rank()
     return int(os.environ.get("RANK", "0"))
 
@@ -50,14 +54,14 @@ def launched() -> bool:
 
 
 def _shutdown() -> None:
-    if dist.is_initialized():
+    if _group_running():
         dist.destroy_process_group()
 
 
 def init(device: torch.device) -> None:
     """Start the process group (NCCL on CUDA, gloo otherwise) if torchrun launched us
     and nobody has started it yet."""
-    if not launched() or dist.is_initialized():
+    if not launched() or _group_running():
         return
     check_device_type(device)
     if device.type == "cuda":
@@ -107,7 +111,7 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 def broadcast_int(value: int) -> int:
     """Rank 0's ``value`` on every rank (unchanged without a process group)."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not _group_running():
         return value
     box = [value]
     dist.broadcast_object_list(box, src=0)
@@ -116,7 +120,7 @@ def broadcast_int(value: int) -> int:
 
 def min_over_ranks(value: int) -> int:
     """The smallest ``value`` of all ranks, so that every rank takes the same decision."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not _group_running():
         return value
     tensor = torch.tensor([value], dtype=torch.int64)
     if dist.get_backend() == "nccl":

@@ -133,14 +133,14 @@ def _load_pretrained(directory: Path, dtype: torch.dtype, gguf_file: str | None,
         config = apply_rope_scaling(AutoConfig.from_pretrained(directory, **kwargs), rope)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load a model from {what}: {str(exc).splitlines()[0]}") from None
+    parallel: dict[str, Any] = {}
     if tp_size > 1:
         distributed.check_divisible(config.get_text_config(), tp_size)
-        kwargs["distributed_config"] = DistributedConfig(tp_size=tp_size)
+        parallel["distributed_config"] = DistributedConfig(tp_size=tp_size)
     try:
-        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, config=config, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, config=config, **kwargs, **parallel)
     except (OSError, ValueError, RuntimeError) as exc:
         raise ModelLoadError(f"cannot load a model from {what}: {str(exc).splitlines()[0]}") from None
-    kwargs.pop("distributed_config", None)
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
     except (OSError, ValueError) as exc:
