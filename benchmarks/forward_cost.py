@@ -37,12 +37,19 @@ def chain_tree(nodes: int) -> DraftTree:
     return tree
 
 
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed(fn, repeats: int) -> float:
     fn()  # warm-up
     times = []
     for _ in range(repeats):
+        synchronize()
         start = time.perf_counter()
         fn()
+        synchronize()
         times.append(time.perf_counter() - start)
     return 1000 * statistics.median(times)
 
@@ -51,16 +58,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 4096, 8000])
     parser.add_argument("--nodes", type=int, nargs="+", default=[0, 3, 7, 15, 31, 63, 100])
     parser.add_argument("--view", type=int, default=1024, help="partial view size for the drafting forward")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 
-    model, _ = load_model(ModelSpec(path=args.model, dtype=args.dtype))
+    model, _ = load_model(ModelSpec(path=args.model, dtype=args.dtype, device=args.device))
     runner = Runner(model)
     runner.allocate(max(args.contexts) + max(args.nodes) + 2)
-    print(f"threads={torch.get_num_threads()} dtype={args.dtype}")
+    where = torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else f"cpu, threads={torch.get_num_threads()}"
+    print(f"{where} dtype={args.dtype}")
     print("| context | " + " | ".join(f"{n + 1} nodes" for n in args.nodes) + f" | draft full | draft view {args.view} |")
     print("|---|" + "---|" * (len(args.nodes) + 2))
     for context in args.contexts:

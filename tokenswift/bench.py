@@ -31,6 +31,7 @@ BLOCK = 1000
 class BenchConfig:
     model: str = "smollm2"
     dtype: str = "bfloat16"
+    device: str = "cpu"
     heads: str = "auto"
     prompt_tokens: int = 2048
     new_tokens: int = 6144
@@ -53,6 +54,7 @@ class MethodResult:
     tokens_per_step: float | None
     acceptance_rate: float | None
     peak_rss_mib: float
+    peak_gpu_mib: float | None  # CUDA runs: torch's peak allocation on the GPU
     block_ms_per_token: list[float]  # per successive 1K-token block
     identical_to_ar: float | None  # greedy runs: fraction of tokens equal to the ar run
     distinct: list[float]  # distinct-1..4
@@ -149,12 +151,15 @@ def run_bench(
     from tokenswift.spec import ModelSpec
 
     if model is None:
-        model, tokenizer = load_model(ModelSpec(path=config.model, dtype=config.dtype))
+        model, tokenizer = load_model(ModelSpec(path=config.model, dtype=config.dtype, device=config.device))
+    device = next(model.parameters()).device
     prompt = prompt_ids(tokenizer, config.prompt_tokens)
     results: list[MethodResult] = []
     outputs: dict[str, list[int]] = {}
     for method in config.methods:
         reset_peak_rss()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         started = time.perf_counter()
         stamps: list[float] = []
         stats = None
@@ -163,7 +168,7 @@ def run_bench(
             if method in HF_METHODS:
                 clock = _TokenClock()
                 torch.manual_seed(config.seed)
-                ids = torch.tensor([prompt])
+                ids = torch.tensor([prompt], device=device)
                 kwargs = dict(
                     attention_mask=torch.ones_like(ids),
                     max_new_tokens=config.new_tokens,
@@ -221,6 +226,7 @@ def run_bench(
                 tokens_per_step=round(stats.tokens_per_step, 3) if stats else None,
                 acceptance_rate=round(stats.acceptance_rate, 3) if stats else None,
                 peak_rss_mib=round(peak_rss_mib(), 1),
+                peak_gpu_mib=round(torch.cuda.max_memory_allocated(device) / 2**20, 1) if device.type == "cuda" else None,
                 block_ms_per_token=blocks,
                 identical_to_ar=None,
                 distinct=[round(distinct_n(tokens, n), 4) for n in (1, 2, 3, 4)],
@@ -238,17 +244,22 @@ def run_bench(
             for r in results
         ]
     info = {"config": attrs.asdict(config), "torch": torch.__version__, "threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
     return results, info
 
 
 def markdown_table(results: list[MethodResult]) -> str:
-    head = "| method | tok/s | vs generate | tok/step | accept | peak RSS MiB | ms/tok per 1K block | same as ar | distinct-1/2/3/4 |"
+    gpu = any(r.peak_gpu_mib is not None for r in results)
+    memory = "peak RSS MiB" + (" / GPU MiB" if gpu else "")
+    head = f"| method | tok/s | vs generate | tok/step | accept | {memory} | ms/tok per 1K block | same as ar | distinct-1/2/3/4 |"
     lines = [head, "|" + "---|" * 9]
     for r in results:
         fmt = lambda v: "–" if v is None else str(v)  # noqa: E731
+        peak = f"{r.peak_rss_mib} / {fmt(r.peak_gpu_mib)}" if gpu else str(r.peak_rss_mib)
         lines.append(
             f"| {r.method} | {r.tokens_per_second} | {fmt(r.speedup)} | {fmt(r.tokens_per_step)} | "
-            f"{fmt(r.acceptance_rate)} | {r.peak_rss_mib} | {' / '.join(map(str, r.block_ms_per_token))} | "
+            f"{fmt(r.acceptance_rate)} | {peak} | {' / '.join(map(str, r.block_ms_per_token))} | "
             f"{fmt(r.identical_to_ar)} | {' / '.join(map(str, r.distinct))} |"
             + (f" error: {r.error}" if r.error else "")
         )
@@ -275,7 +286,8 @@ def write_reports(results: list[MethodResult], info: dict, out_dir: str | Path) 
     cfg = info["config"]
     ax.set_xlabel("generated tokens")
     ax.set_ylabel("tokens / s (cumulative)")
-    ax.set_title(f"{cfg['model']} {cfg['dtype']}, {cfg['prompt_tokens']}-token prompt, {'greedy' if cfg['greedy'] else 'sampling'}")
+    where = info.get("gpu", "CPU")
+    ax.set_title(f"{cfg['model']} {cfg['dtype']} on {where}, {cfg['prompt_tokens']}-token prompt, {'greedy' if cfg['greedy'] else 'sampling'}")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

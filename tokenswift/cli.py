@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", help=f"model directory, .gguf file or packaged model (default {DEFAULT_MODEL!r})")
     gen.add_argument("--heads", help="directory of trained draft heads (for the tokenswift and medusa drafters)")
     gen.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], help="model dtype (default: bfloat16)")
+    gen.add_argument("--device", help="model device: cpu, cuda or cuda:N (default: the spec's, else cpu)")
     prompt = gen.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help="prompt text")
     prompt.add_argument("--prompt-file", help="read the prompt from a file")
@@ -65,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train-heads", help="train draft heads for a model on a JSON Lines corpus")
     train.add_argument("--model", default=DEFAULT_MODEL, help=f"model to train heads for (default {DEFAULT_MODEL!r})")
     train.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default="bfloat16")
+    train.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     train.add_argument("--data", required=True, help="JSON Lines file, one object with a 'text' key per line")
     train.add_argument("--out", required=True, help="directory for the heads, checkpoints and training.json")
     train.add_argument("--steps", type=int, default=600)
@@ -82,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmark transformers generate against the presets, side by side")
     bench.add_argument("--model", default=DEFAULT_MODEL)
     bench.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default="bfloat16")
+    bench.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     bench.add_argument("--heads", default="auto", help="heads for the tokenswift and medusa presets")
     bench.add_argument("--prompt-tokens", type=int, default=2048)
     bench.add_argument("--new-tokens", type=int, default=6144)
@@ -165,6 +168,8 @@ def _spec_and_overrides(args):
         model = {"path": args.model or DEFAULT_MODEL, "dtype": model.get("dtype", "bfloat16")}
     if args.dtype:
         model["dtype"] = args.dtype
+    if args.device:
+        model["device"] = args.device
     overrides: dict = {"model": model}
     if args.greedy:
         overrides["sampling"] = {"greedy": True}
@@ -332,7 +337,7 @@ def cmd_train_heads(args, argv) -> int:
         )
     except ValueError as exc:
         raise CliError(f"train-heads: {exc}") from None
-    model, tokenizer = load_model(ModelSpec(path=args.model, dtype=args.dtype))
+    model, tokenizer = load_model(ModelSpec(path=args.model, dtype=args.dtype, device=args.device))
     if tokenizer is None:
         raise CliError(f"train-heads needs a tokenizer, and none was found with {args.model}")
     corpus = read_corpus(args.data, tokenizer, config.holdout)
@@ -363,12 +368,21 @@ def cmd_train_heads(args, argv) -> int:
     record["command"] = "tokenswift " + shlex.join(argv if argv is not None else sys.argv[1:])
     record["model"] = args.model
     record["dtype"] = args.dtype
+    record["device"] = _device_name(model)
     record["data"] = str(args.data)
     Path(args.out, "training.json").write_text(json.dumps(record, indent=2) + "\n")
     acc = record["held_out_accuracy"]
     print(f"held-out accuracy: top-1 {acc['top1']}, top-3 {acc['top3']} (LM head top-1 {acc['lm_head_top1']}); "
           f"{record['wall_seconds']:.0f} s", file=sys.stderr)
     return 0
+
+
+def _device_name(model) -> str:
+    """'cpu', or 'cuda:0 (NVIDIA H200)': where a model runs, for records."""
+    import torch
+
+    device = next(model.parameters()).device
+    return f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
 
 
 def cmd_bench(args) -> int:
@@ -386,7 +400,7 @@ def cmd_bench(args) -> int:
     if new_tokens <= 0 or args.prompt_tokens <= 0:
         raise CliError("--new-tokens and --prompt-tokens must be positive")
     config = BenchConfig(
-        model=args.model, dtype=args.dtype, heads=args.heads, prompt_tokens=args.prompt_tokens,
+        model=args.model, dtype=args.dtype, device=args.device, heads=args.heads, prompt_tokens=args.prompt_tokens,
         new_tokens=new_tokens, greedy=args.greedy, seed=args.seed, methods=methods,
     )
     bar = tqdm(total=new_tokens * len(methods), unit="tok", file=sys.stderr, dynamic_ncols=True)

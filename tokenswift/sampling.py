@@ -46,7 +46,7 @@ class Sampler:
     def __init__(self, spec: SamplingSpec, generator: torch.Generator) -> None:
         self.spec = spec
         self.generator = generator
-        self.warpers = build_warpers(spec)
+        self._warpers: dict[torch.device, LogitsProcessorList] = {}
 
     @property
     def greedy(self) -> bool:
@@ -54,7 +54,10 @@ class Sampler:
 
     def warp(self, contexts: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """scores: [n, vocab] -> warped scores (filtered entries at -inf)."""
-        return self.warpers(contexts, scores) if len(self.warpers) else scores
+        warpers = self._warpers.get(scores.device)
+        if warpers is None:  # some warpers keep tensors: one set per device of the scores
+            warpers = self._warpers[scores.device] = build_warpers(self.spec, device=scores.device)
+        return warpers(contexts, scores) if len(warpers) else scores
 
     def draw(self, scores: torch.Tensor) -> int:
         """scores: [vocab] processed logits of one node -> one token id."""
@@ -62,7 +65,8 @@ class Sampler:
             return int(scores.argmax())
         probs = torch.softmax(scores.to(torch.float64), dim=-1)
         cdf = probs.cumsum(-1)
-        u = torch.rand((), generator=self.generator, dtype=torch.float64) * cdf[-1]
+        # The uniform always comes from the CPU generator: the same stream on every device.
+        u = torch.rand((), generator=self.generator, dtype=torch.float64).to(cdf.device) * cdf[-1]
         token = int(torch.searchsorted(cdf, u.view(1), right=True))
         token = min(token, scores.numel() - 1)
         while probs[token] == 0:  # never return a filtered token at a CDF plateau edge

@@ -48,8 +48,9 @@ class NodeScores:
         """[1, W]: the last W tokens this node's penalty sees."""
         window = self.penalty.window
         if window == 0:
-            return torch.empty(1, 0, dtype=torch.long)
-        return torch.tensor([(self._tail + self.tree.path_tokens(node))[-window:]], dtype=torch.long)
+            return torch.empty(1, 0, dtype=torch.long, device=self.hidden.device)
+        tokens = (self._tail + self.tree.path_tokens(node))[-window:]
+        return torch.tensor([tokens], dtype=torch.long, device=self.hidden.device)
 
     def __getitem__(self, node: int) -> torch.Tensor:
         scores = self._cache.get(node)

@@ -89,11 +89,12 @@ def reference_generate(
     sampler = Sampler(sampling, torch.Generator(device="cpu").manual_seed(seed))
     penalise = RepetitionPenaltyLogitsProcessor(penalty[0]) if penalty and penalty[1] > 0 else None
     tokens = list(prompt)
-    dtype = torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
+    param = next(model.parameters())
+    dtype = torch.float64 if param.dtype == torch.float64 else torch.float32
     for _ in range(max_new_tokens):
-        ids = torch.tensor([tokens])
+        ids = torch.tensor([tokens], device=param.device)
         scores = model(ids).logits[:, -1].to(dtype)
-        context = torch.tensor([tokens[-penalty[1] :]]) if penalise else ids
+        context = torch.tensor([tokens[-penalty[1] :]], device=param.device) if penalise else ids
         if penalise:
             scores = penalise(context, scores)
         scores = sampler.warp(context, scores)
@@ -108,12 +109,12 @@ def reference_tokens(pipe, prompt: list[int], max_new_tokens: int, seed: int) ->
     no drafts. EOS is ignored."""
     model, penalty = pipe.model, pipe.penalty
     sampler = Sampler(pipe.spec.sampling, torch.Generator(device="cpu").manual_seed(seed))
-    dtype = pipe.runner.logits_dtype
+    dtype, device = pipe.runner.logits_dtype, pipe.runner.device
     tokens = list(prompt)
     for _ in range(max_new_tokens):
-        scores = model(torch.tensor([tokens])).logits[:, -1].to(dtype)
+        scores = model(torch.tensor([tokens], device=device)).logits[:, -1].to(dtype)
         window = penalty.window
-        context = torch.tensor([tokens[-window:]]) if window else torch.empty(1, 0, dtype=torch.long)
+        context = torch.tensor([tokens[-window:] if window else []], dtype=torch.long, device=device)
         scores = sampler.warp(context, penalty.apply(context, scores))
         tokens.append(sampler.draw(scores[0]))
     return tokens[len(prompt) :]

@@ -33,4 +33,5 @@ class DynamicCache(RefreshingCache):
         scores = importance_scores(state.runner, state.tokens[-1])[:, :, sink.numel() :]  # [layers, heads, L - sink]
         top = scores.topk(keep, dim=-1).indices.sort(dim=-1).values + sink.numel()
         layers, heads, _ = top.shape
+        sink = sink.to(top.device)
         return torch.cat([sink.view(1, 1, -1).expand(layers, heads, -1), top], dim=-1)

@@ -126,8 +126,9 @@ def evaluate(heads: DraftHeads, model, tokens: torch.Tensor, config: TrainConfig
     top3 = torch.zeros(heads.num_heads)
     base1 = 0.0
     batches = math.ceil(config.eval_windows / config.batch)
+    device = next(model.parameters()).device
     for _ in range(batches):
-        windows = sample_windows(tokens, config.batch, config.seq_len, generator)
+        windows = sample_windows(tokens, config.batch, config.seq_len, generator).to(device)
         hidden = base_hidden(model, windows)
         outputs = heads(hidden.to(next(heads.parameters()).dtype)).to(hidden.dtype)
         base1 += float((model.get_output_embeddings()(hidden[:, :-1]).argmax(-1) == windows[:, 1:]).float().mean())
@@ -177,7 +178,7 @@ def train_heads(
     if resume:
         if not checkpoint_path.is_file():
             raise TokenswiftError(f"--resume: no checkpoint at {checkpoint_path}")
-        state = torch.load(checkpoint_path, weights_only=True)
+        state = torch.load(checkpoint_path, weights_only=True, map_location="cpu")  # portable across devices
         heads.load_state_dict(state["heads"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
@@ -187,15 +188,16 @@ def train_heads(
 
     lm_head = model.get_output_embeddings()
     started = time.perf_counter() - elapsed
+    device = next(model.parameters()).device
     for step in range(start_step, config.steps):
-        windows = sample_windows(corpus.train, config.batch, config.seq_len, generator)
+        windows = sample_windows(corpus.train, config.batch, config.seq_len, generator).to(device)
         hidden = base_hidden(model, windows)
         usable = config.seq_len - config.num_heads - 1
         if config.positions and config.positions < usable:
             positions = torch.randperm(usable, generator=generator)[: config.positions].sort().values
         else:
             positions = torch.arange(usable)
-        losses, accuracies = head_losses(heads, lm_head, hidden, windows, positions)
+        losses, accuracies = head_losses(heads, lm_head, hidden, windows, positions.to(device))
         optimizer.zero_grad(set_to_none=True)
         losses.mean().backward()
         optimizer.step()

@@ -186,7 +186,7 @@ class CompactView(KVView):
 
     def load(self, store: KVStore, indices: torch.Tensor) -> None:
         """Replace the contents with committed positions ``indices`` ([S] or [layers, kv_heads, S])."""
-        view = IndexView(indices)
+        view = IndexView(indices.to(store.keys[0].device))
         if view.size > self.capacity:
             raise ValueError(f"{view.size} positions do not fit a view of capacity {self.capacity}")
         for layer in range(store.num_layers):
