@@ -7,8 +7,11 @@ override (``--rope TYPE:FACTOR``, the model spec's ``rope`` option). For every b
 ``--block`` new tokens it records the milliseconds per token (all of it, and the
 drafting stage alone: the part a partial drafting cache keeps flat; verification always
 reads the whole cache, so it grows with the context), the resident memory (VmRSS), and
-the bound the run must stay within: 1.2 x (resident memory after loading, i.e. weights
-and runtime, + the run's predicted KV store and drafting view). Writes ``long_run.json``
+the bound the run must stay within: 1.2 x (the Python runtime's resident memory before
+the model is loaded + the weights' bytes + what the library predicts for the run: KV
+store, drafting view and working set). The weights are counted from the parameters,
+not from the resident memory after loading: a model loaded from safetensors is mapped
+lazily, so most of its pages become resident only at the first forward. Writes ``long_run.json``
 after every block (an interrupted run keeps its curve), ``long_run.png`` and
 ``long_run.md``; ``--resume`` continues an interrupted run from its checkpoint.
 """
@@ -36,6 +39,17 @@ def resident_mib() -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def parameter_bytes(model) -> int:
+    """Bytes of the model's parameters and buffers, each storage once (tied embeddings)."""
+    seen, total = set(), 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        key = tensor.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += tensor.untyped_storage().nbytes()
+    return total
 
 
 def parse_rope(value: str | None) -> dict | None:
@@ -93,7 +107,7 @@ def plot(record: dict, path: Path) -> None:
     time_ax.set_ylim(bottom=0)
     time_ax.legend()
     mem_ax.plot(x, [b["rss_mib"] for b in blocks], marker=".", label="resident (VmRSS)")
-    mem_ax.axhline(record["bound_mib"], color="red", linestyle="--", label="bound: 1.2 x (loaded + predicted)")
+    mem_ax.axhline(record["bound_mib"], color="red", linestyle="--", label="bound: 1.2 x (runtime + weights + predicted)")
     mem_ax.set(xlabel="generated tokens (K)", ylabel="MiB", title="resident memory")
     mem_ax.set_ylim(bottom=0)
     mem_ax.legend()
@@ -108,8 +122,9 @@ def markdown(record: dict) -> str:
     lines = [
         f"{record['title']}",
         "",
-        f"loaded (weights + runtime): {record['loaded_mib']} MiB; predicted KV store + drafting view: "
-        f"{record['predicted_mib']} MiB; bound {record['bound_mib']} MiB; peak resident {record['peak_rss_mib']} MiB",
+        f"runtime before loading: {record['runtime_mib']} MiB; weights: {record['weights_mib']} MiB; predicted "
+        f"KV store + drafting view: {record['predicted_mib']} MiB, working set: {record['working_mib']} MiB; "
+        f"bound {record['bound_mib']} MiB; peak resident {record['peak_rss_mib']} MiB",
         "",
         "| generated | ms/token | drafting ms/token | resident MiB |",
         "|---|---|---|---|",
@@ -141,20 +156,25 @@ def main(argv: list[str] | None = None) -> int:
     spec = {"preset": args.preset, "model": {"path": args.model, "dtype": args.dtype, "rope": rope}}
     if args.heads:
         spec["drafter"] = {"heads": args.heads}
+    runtime = resident_mib()
     pipe = Pipeline.from_spec(resume.spec if resume else spec)
     prompt = resume.prompt_tokens if resume else prompt_ids(pipe.tokenizer, args.prompt_tokens)
     new_tokens = resume.max_new_tokens if resume else args.new_tokens
     estimate = pipe.estimate_memory(len(prompt), new_tokens)
-    loaded = resident_mib()
+    weights = parameter_bytes(pipe.model) / MIB
     predicted = (estimate.kv_bytes + estimate.view_bytes) / MIB
+    working = estimate.working_bytes / MIB
     record = {
         "title": f"{args.preset} on {args.model} ({args.dtype}), {len(prompt)}-token prompt + {new_tokens} "
         f"new tokens, rope {args.rope}",
         "command": "python benchmarks/long_run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "block": args.block,
-        "loaded_mib": round(loaded, 1),
+        "runtime_mib": round(runtime, 1),
+        "loaded_mib": round(resident_mib(), 1),
+        "weights_mib": round(weights, 1),
         "predicted_mib": round(predicted, 1),
-        "bound_mib": round(1.2 * (loaded + predicted), 1),
+        "working_mib": round(working, 1),
+        "bound_mib": round(1.2 * (runtime + weights + predicted + working), 1),
         "blocks": [],
     }
     json_path = out / "long_run.json"

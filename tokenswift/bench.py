@@ -142,9 +142,11 @@ def run_bench(
     *,
     model=None,
     tokenizer=None,
+    on_method: Callable[[list[MethodResult], dict], None] | None = None,
 ) -> tuple[list[MethodResult], dict]:
     """Run every method in turn on the same model and prompt; return results and run info.
-    ``model``/``tokenizer`` replace loading ``config.model`` (tests)."""
+    ``model``/``tokenizer`` replace loading ``config.model`` (tests). ``on_method`` gets
+    the results so far after each method (a long run interrupted keeps what it measured)."""
     from tokenswift import Pipeline, hookimpl
     from tokenswift.model.loading import load_model
     from tokenswift.prompts import prompt_ids
@@ -154,6 +156,9 @@ def run_bench(
         model, tokenizer = load_model(ModelSpec(path=config.model, dtype=config.dtype, device=config.device))
     device = next(model.parameters()).device
     prompt = prompt_ids(tokenizer, config.prompt_tokens)
+    info = {"config": attrs.asdict(config), "torch": torch.__version__, "threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
     results: list[MethodResult] = []
     outputs: dict[str, list[int]] = {}
     for method in config.methods:
@@ -234,6 +239,13 @@ def run_bench(
                 error=error,
             )
         )
+        if on_method is not None:
+            on_method(_compared(results, outputs, config), info)
+    return _compared(results, outputs, config), info
+
+
+def _compared(results: list[MethodResult], outputs: dict[str, list[int]], config: BenchConfig) -> list[MethodResult]:
+    """``results`` with the speed-up over hf-generate and (greedy) the identity with ar filled in."""
     base = next((r for r in results if r.method == "hf-generate" and r.tokens_per_second), None)
     if base is not None:
         results = [attrs.evolve(r, speedup=round(r.tokens_per_second / base.tokens_per_second, 3)) for r in results]
@@ -243,10 +255,7 @@ def run_bench(
             attrs.evolve(r, identical_to_ar=round(_agreement(outputs[r.method], reference), 4)) if outputs[r.method] else r
             for r in results
         ]
-    info = {"config": attrs.asdict(config), "torch": torch.__version__, "threads": torch.get_num_threads()}
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-    return results, info
+    return results
 
 
 def markdown_table(results: list[MethodResult]) -> str:

@@ -409,7 +409,8 @@ def cmd_bench(args) -> int:
         bar.set_description(method, refresh=False)
         bar.update(count)
 
-    results, info = run_bench(config, progress)
+    # Reports are rewritten after every method: an interrupted long run keeps what it measured.
+    results, info = run_bench(config, progress, on_method=lambda partial, info: write_reports(partial, info, args.out))
     bar.close()
     paths = write_reports(results, info, args.out)
     print(markdown_table(results), end="")
