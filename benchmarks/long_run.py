@@ -29,7 +29,9 @@ from tqdm import tqdm
 from tokenswift import Pipeline, hookimpl
 from tokenswift.bench import peak_rss_mib
 from tokenswift.checkpoint import Checkpoint
+from tokenswift.errors import SpecError
 from tokenswift.prompts import prompt_ids
+from tokenswift.spec import parse_rope
 
 MIB = 2**20
 
@@ -52,14 +54,11 @@ def parameter_bytes(model) -> int:
     return total
 
 
-def parse_rope(value: str | None) -> dict | None:
-    if value is None:
-        return None
-    kind, _, factor = value.partition(":")
+def rope_option(value: str | None) -> dict | None:
     try:
-        return {"type": kind, "factor": float(factor)}
-    except ValueError:
-        raise SystemExit(f"long_run.py: error: --rope must be TYPE:FACTOR (e.g. yarn:16), got {value!r}") from None
+        return parse_rope(value)
+    except SpecError as exc:
+        raise SystemExit(f"long_run.py: error: --rope: {exc}") from None
 
 
 class BlockRecorder:
@@ -152,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     checkpoint_path = out / "long_run.ckpt"
     resume = Checkpoint.load(checkpoint_path) if args.resume else None
-    rope = None if args.rope == "none" else parse_rope(args.rope)
+    rope = rope_option(args.rope)
     spec = {"preset": args.preset, "model": {"path": args.model, "dtype": args.dtype, "rope": rope}}
     if args.heads:
         spec["drafter"] = {"heads": args.heads}

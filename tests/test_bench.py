@@ -8,12 +8,17 @@ from tokenswift.testing import word_tokenizer, looping_model
 
 def test_bench_on_a_tiny_model(tmp_path):
     config = BenchConfig(prompt_tokens=16, new_tokens=40, greedy=True, heads="random", window=8)
-    partial = []
+    partial, counted = [], {}
+
+    def progress(method, count):
+        counted[method] = counted.get(method, 0) + count
+
     results, info = run_bench(
-        config, model=looping_model(dtype="float32"), tokenizer=word_tokenizer(),
+        config, progress, model=looping_model(dtype="float32"), tokenizer=word_tokenizer(),
         on_method=lambda so_far, _: partial.append([r.method for r in so_far]),
     )
     assert [len(p) for p in partial] == [1, 2, 3, 4, 5, 6] and partial[-1] == [r.method for r in results]
+    assert all(counted[r.method] == 40 for r in results), counted  # live progress, transformers' methods too
     by_method = {r.method: r for r in results}
     assert list(by_method) == ["hf-generate", "hf-prompt-lookup", "ar", "tokenswift", "medusa", "prompt-lookup"]
     for r in results:

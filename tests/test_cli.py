@@ -154,3 +154,33 @@ def test_bad_runs_are_one_line_exit_2_and_leave_no_file(case, model_dir, tmp_pat
     assert code == 2, err
     assert err.count("\n") == 1 and err.startswith("tokenswift: error: ") and message in err, err
     assert not list(out_dir.iterdir()), "no output file may be left behind"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["bench", "--rope", "yarn:x", "--new-tokens", "4"], "a RoPE override must be TYPE:FACTOR like 'yarn:16', got 'yarn:x'"),
+        (["bench", "--rope", "ntk:2", "--new-tokens", "4"], "model.rope.type must be one of ['yarn', 'linear', 'dynamic'], got 'ntk'"),
+        (["bench", "--device", "tpu", "--new-tokens", "4"], "model.device must be one of"),
+    ],
+)
+def test_bench_options_are_checked_before_anything_runs(argv, message, tmp_path, capsys):
+    code, out, err = run(capsys, *argv, "--out", str(tmp_path / "b"))
+    assert code == 2 and err.startswith("tokenswift: error: ") and message in err, err
+    assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("command", ["generate", "bench", "train-heads"])
+def test_cuda_without_a_gpu_is_one_line(command, model_dir, tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    extra = {
+        "generate": ["--prompt", "the cat"],
+        "bench": ["--new-tokens", "4", "--out", str(tmp_path / "b")],
+        "train-heads": ["--data", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "h")],
+    }[command]
+    code, out, err = run(capsys, command, "--model", str(model_dir), "--device", "cuda", *extra)
+    assert code == 2 and err.count("\n") == 1, err
+    assert "'cuda' was asked for, but no CUDA GPU is available here" in err

@@ -32,6 +32,7 @@ class BenchConfig:
     model: str = "smollm2"
     dtype: str = "bfloat16"
     device: str = "cpu"
+    rope: dict | None = None  # RoPE-scaling override, for runs past the trained context
     heads: str = "auto"
     prompt_tokens: int = 2048
     new_tokens: int = 6144
@@ -74,17 +75,21 @@ class WindowedRepetitionPenalty(LogitsProcessor):
 
 
 class _TokenClock(BaseStreamer):
-    """Timestamps each token transformers' generate emits."""
+    """Timestamps each token transformers' generate emits (and reports them to ``on_tokens``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_tokens: Callable[[int], None] | None = None) -> None:
         self.times: list[float] = []
         self._prompt_seen = False
+        self._on_tokens = on_tokens
 
     def put(self, value):
         if not self._prompt_seen:
             self._prompt_seen = True
             return
-        self.times.extend([time.perf_counter()] * int(value.numel()))
+        count = int(value.numel())
+        self.times.extend([time.perf_counter()] * count)
+        if self._on_tokens is not None:
+            self._on_tokens(count)
 
     def end(self):
         pass
@@ -153,7 +158,7 @@ def run_bench(
     from tokenswift.spec import ModelSpec
 
     if model is None:
-        model, tokenizer = load_model(ModelSpec(path=config.model, dtype=config.dtype, device=config.device))
+        model, tokenizer = load_model(ModelSpec(path=config.model, dtype=config.dtype, device=config.device, rope=config.rope))
     device = next(model.parameters()).device
     prompt = prompt_ids(tokenizer, config.prompt_tokens)
     info = {"config": attrs.asdict(config), "torch": torch.__version__, "threads": torch.get_num_threads()}
@@ -171,7 +176,7 @@ def run_bench(
         error = None
         try:
             if method in HF_METHODS:
-                clock = _TokenClock()
+                clock = _TokenClock(on_tokens=(lambda n, m=method: progress(m, n)) if progress else None)
                 torch.manual_seed(config.seed)
                 ids = torch.tensor([prompt], device=device)
                 kwargs = dict(
@@ -191,8 +196,6 @@ def run_bench(
                     out = model.generate(ids, **kwargs)
                 tokens = out[0, len(prompt) :].tolist()
                 stamps = clock.times
-                if progress:
-                    progress(method, len(tokens))
             else:
                 spec = {
                     "preset": method,

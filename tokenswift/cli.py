@@ -30,6 +30,10 @@ class _Parser(argparse.ArgumentParser):
         raise CliError(f"{message} (see {self.prog} --help)")
 
 
+LONG_BENCH_TOKENS = 14_336
+LONG_BENCH_ROPE = "yarn:2"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tokenswift", description="Lossless acceleration of ultra-long generation.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
@@ -88,7 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--heads", default="auto", help="heads for the tokenswift and medusa presets")
     bench.add_argument("--prompt-tokens", type=int, default=2048)
     bench.add_argument("--new-tokens", type=int, default=6144)
-    bench.add_argument("--quick", action="store_true", help="1,024 new tokens, for iteration")
+    length = bench.add_mutually_exclusive_group()
+    length.add_argument("--quick", action="store_true", help="1,024 new tokens, for iteration")
+    length.add_argument(
+        "--long", action="store_true",
+        help=f"{LONG_BENCH_TOKENS:,} new tokens (16K positions with the prompt, twice the demo model's "
+        f"trained context) with RoPE scaling {LONG_BENCH_ROPE} unless --rope says otherwise",
+    )
+    bench.add_argument("--rope", help="RoPE-scaling override TYPE:FACTOR (e.g. yarn:2), for runs past the trained context")
     bench.add_argument("--greedy", action="store_true", help="greedy decoding (reports identity with ar)")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--methods", help="comma-separated subset of: " + ", ".join(("hf-generate", "hf-prompt-lookup", "ar", "tokenswift", "medusa", "prompt-lookup")))
@@ -389,6 +400,8 @@ def cmd_bench(args) -> int:
     from tqdm import tqdm
 
     from tokenswift.bench import HF_METHODS, PRESET_METHODS, BenchConfig, markdown_table, run_bench, write_reports
+    from tokenswift.model.loading import check_device
+    from tokenswift.spec import ModelSpec, parse_rope
 
     methods = HF_METHODS + PRESET_METHODS
     if args.methods:
@@ -396,22 +409,28 @@ def cmd_bench(args) -> int:
         unknown = [m for m in methods if m not in HF_METHODS + PRESET_METHODS]
         if unknown:
             raise CliError(f"unknown method(s) {unknown}; valid: {list(HF_METHODS + PRESET_METHODS)}")
-    new_tokens = 1024 if args.quick else args.new_tokens
+    new_tokens = 1024 if args.quick else LONG_BENCH_TOKENS if args.long else args.new_tokens
+    rope = parse_rope(args.rope if args.rope or not args.long else LONG_BENCH_ROPE)
     if new_tokens <= 0 or args.prompt_tokens <= 0:
         raise CliError("--new-tokens and --prompt-tokens must be positive")
+    ModelSpec(path=args.model, dtype=args.dtype, device=args.device, rope=rope)  # bad values fail here, before any output
+    check_device(args.device)
     config = BenchConfig(
-        model=args.model, dtype=args.dtype, device=args.device, heads=args.heads, prompt_tokens=args.prompt_tokens,
+        model=args.model, dtype=args.dtype, device=args.device, rope=rope, heads=args.heads, prompt_tokens=args.prompt_tokens,
         new_tokens=new_tokens, greedy=args.greedy, seed=args.seed, methods=methods,
     )
-    bar = tqdm(total=new_tokens * len(methods), unit="tok", file=sys.stderr, dynamic_ncols=True)
+    bars = []  # made at the first token, so that a model that fails to load leaves one error line
 
     def progress(method, count):
-        bar.set_description(method, refresh=False)
-        bar.update(count)
+        if not bars:
+            bars.append(tqdm(total=new_tokens * len(methods), unit="tok", file=sys.stderr, dynamic_ncols=True))
+        bars[0].set_description(method, refresh=False)
+        bars[0].update(count)
 
     # Reports are rewritten after every method: an interrupted long run keeps what it measured.
     results, info = run_bench(config, progress, on_method=lambda partial, info: write_reports(partial, info, args.out))
-    bar.close()
+    for bar in bars:
+        bar.close()
     paths = write_reports(results, info, args.out)
     print(markdown_table(results), end="")
     print(f"wrote {', '.join(str(p) for p in paths.values())}", file=sys.stderr)

@@ -163,6 +163,19 @@ def _rope(value):
     return {"type": kind, "factor": float(factor)}
 
 
+def parse_rope(text: str | None) -> dict[str, Any] | None:
+    """A command line's ``TYPE:FACTOR`` (e.g. ``yarn:16``; ``none`` for no override) as a
+    validated ``model.rope`` table."""
+    if text is None or text == "none":
+        return None
+    kind, _, factor = text.partition(":")
+    try:
+        factor = float(factor)
+    except ValueError:
+        raise SpecError(f"a RoPE override must be TYPE:FACTOR like 'yarn:16', got {text!r}") from None
+    return _rope({"type": kind, "factor": factor})
+
+
 def _dtype(value):
     if value not in DTYPES:
         raise SpecError(f"model.dtype must be one of {list(DTYPES)}, got {value!r}")
