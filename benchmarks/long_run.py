@@ -44,14 +44,8 @@ def resident_mib() -> float:
 
 
 def parameter_bytes(model) -> int:
-    """Bytes of the model's parameters and buffers, each storage once (tied embeddings)."""
-    seen, total = set(), 0
-    for tensor in [*model.parameters(), *model.buffers()]:
-        key = tensor.untyped_storage().data_ptr()
-        if key not in seen:
-            seen.add(key)
-            total += tensor.untyped_storage().nbytes()
-    return total
+    """Bytes of the model's parameters and buffers (``parameters()`` yields tied weights once)."""
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
 
 def rope_option(value: str | None) -> dict | None:
