@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from tokenswift import ModelLoadError, Pipeline, SpecError
 from tokenswift.caches.dynamic import DynamicCache
@@ -11,7 +12,7 @@ from tokenswift.drafters.heads import DraftHeads, model_fingerprint
 from tokenswift.drafters.template import index_paths
 from tokenswift.interfaces import DecodeState
 from tokenswift.model.kv import CompactView, FullView
-from tokenswift.testing import looping_model, tiny_model_for
+from tokenswift.testing import looping_model, reference_generate, tiny_model_for
 from tokenswift.tree import DraftTree
 
 # -- heads -------------------------------------------------------------------------
@@ -212,3 +213,31 @@ def test_dynamic_is_the_default_of_the_tokenswift_preset():
     pipe = build("tokenswift")
     assert isinstance(pipe.cache_policy, DynamicCache) and pipe.cache_policy.options.budget == 4096
     assert pipe.max_tree_nodes() == 1 + 40 + 20 * 4
+
+
+@pytest.mark.parametrize("penalize", [True, False])
+def test_tokenswift_ranks_depth_one_with_the_penalty_verification_applies(penalize):
+    """The looping model's raw next token is one it just produced; a strong penalty
+    demotes it, so the root's likely draw is another token. With ``penalize`` the
+    depth-1 candidate is that draw (the penalised argmax), without it the raw argmax."""
+    model = looping_model()
+    prompt = reference_generate(model, [5, 6, 7], 24)[-16:]  # the greedy cycle
+    ids = torch.tensor([prompt])
+    raw = model(ids).logits[0, -1:]
+    penalised = RepetitionPenaltyLogitsProcessor(50.0)(ids[:, -8:], raw.clone())
+    assert raw.argmax() != penalised.argmax(), "precondition: the penalty changes the argmax"
+    spec = {
+        "preset": "tokenswift",
+        "drafter": {"heads": "random", "penalize": penalize},
+        "retriever": {"name": "none"},
+        "cache": {"name": "full"},
+        "penalty": {"name": "contextual", "value": 50.0, "window": 8},
+        "sampling": {"greedy": True},
+    }
+    pipe = Pipeline.from_spec(spec, model)
+    pipe.runner.allocate(64)
+    pipe.runner.prefill(torch.tensor(prompt[:-1]))
+    state = DecodeState(tokens=list(prompt), prompt_length=len(prompt), runner=pipe.runner)
+    tree = pipe._propose(state)
+    expected = (penalised if penalize else raw).argmax().item()
+    assert list(tree.children(0)) == [expected]

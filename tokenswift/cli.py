@@ -85,6 +85,20 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--holdout", default="wuthering_heights", help="comma-separated book ids kept for evaluation")
     train.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
 
+    fit = sub.add_parser(
+        "fit-tree",
+        help="fit the tokenswift drafter's tree to how its drafts are accepted; writes tree.json beside the heads",
+    )
+    fit.add_argument("--model", default=DEFAULT_MODEL)
+    fit.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default="bfloat16")
+    fit.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    fit.add_argument("--heads", default="auto", help="heads directory (default: the heads shipped for the model)")
+    fit.add_argument("--nodes", type=int, default=40, help="tree nodes below the root (default 40, as [1,3,3,3])")
+    fit.add_argument("--prompt-tokens", type=int, default=2048, help="tokens of the bundled prompt (default 2048)")
+    fit.add_argument("--new-tokens", type=int, default=2000, help="new tokens replayed per seed (default 2000)")
+    fit.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="one generation per seed (default 1 2 3)")
+    fit.add_argument("--out", help="directory to write tree.json to (default: the heads directory)")
+
     bench = sub.add_parser("bench", help="benchmark transformers generate against the presets, side by side")
     bench.add_argument("--model", default=DEFAULT_MODEL)
     bench.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default="bfloat16")
@@ -128,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_bench(args)
         if args.command == "train-heads":
             return cmd_train_heads(args, argv)
+        if args.command == "fit-tree":
+            return cmd_fit_tree(args, argv)
     except (CliError, TokenswiftError, ValueError, TypeError, OSError) as exc:
         if distributed.is_primary():  # the ranks of a torchrun all fail alike
             print(f"tokenswift: error: {exc}", file=sys.stderr)
@@ -385,6 +401,59 @@ def cmd_train_heads(args, argv) -> int:
     acc = record["held_out_accuracy"]
     print(f"held-out accuracy: top-1 {acc['top1']}, top-3 {acc['top3']} (LM head top-1 {acc['lm_head_top1']}); "
           f"{record['wall_seconds']:.0f} s", file=sys.stderr)
+    return 0
+
+
+def cmd_fit_tree(args, argv) -> int:
+    import shlex
+    import time
+
+    from tqdm import tqdm
+
+    from tokenswift.drafters.heads import DraftHeads, find_shipped_heads
+    from tokenswift.drafters.tree_fit import fit_for_heads, save_tree
+    from tokenswift.model.loading import check_device, load_model
+    from tokenswift.prompts import prompt_ids
+    from tokenswift.spec import ModelSpec
+
+    for name in ("nodes", "prompt_tokens", "new_tokens"):
+        if getattr(args, name) <= 0:
+            raise CliError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    if args.heads != "auto" and not Path(args.heads).is_dir():
+        raise CliError(f"--heads {args.heads!r} is not a directory of saved heads")
+    if args.out is not None and not Path(args.out).is_dir():
+        raise CliError(f"--out {args.out!r} is not a directory")
+    ModelSpec(path=args.model, dtype=args.dtype, device=args.device)  # bad values fail here, before loading
+    check_device(args.device)
+    started = time.perf_counter()
+    model, tokenizer = load_model(ModelSpec(path=args.model, dtype=args.dtype, device=args.device))
+    if tokenizer is None:
+        raise CliError(f"fit-tree needs a tokenizer for the bundled prompt, and none was found with {args.model}")
+    heads_dir = Path(args.heads) if args.heads != "auto" else find_shipped_heads(model)
+    if heads_dir is None:
+        raise CliError(f"no heads are shipped for {args.model}; pass --heads DIR (train some with train-heads)")
+    heads = DraftHeads.from_pretrained(heads_dir, model).eval()
+    prompt = prompt_ids(tokenizer, args.prompt_tokens)
+    bar = tqdm(total=args.new_tokens * len(args.seeds), unit="tok", file=sys.stderr, dynamic_ncols=True)
+    paths, record = fit_for_heads(
+        model, tokenizer, heads, nodes=args.nodes, prompt=prompt, new_tokens=args.new_tokens, seeds=args.seeds,
+        progress=bar.update,
+    )
+    bar.close()
+    record.update(
+        command="tokenswift " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        model=args.model,
+        dtype=args.dtype,
+        device=_device_name(model),
+        wall_seconds=round(time.perf_counter() - started, 1),
+    )
+    written = save_tree(args.out or heads_dir, "tokenswift", paths, record)
+    replayed = record["replayed_tokens_per_step"]
+    print(
+        f"fitted a {args.nodes}-node tree: replayed tokens/step {replayed['fitted']} "
+        f"(default {record['default_tree']}: {replayed['default']}; {replayed['note']}); wrote {written}",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -36,11 +36,13 @@ class NoOptions:
 
 @attrs.define(kw_only=True, eq=False)
 class BuildContext:
-    """What a component may look at when it is built."""
+    """What a component may look at when it is built. ``penalty`` is the pipeline's
+    penalty component (built first, so the others may rank candidates with it)."""
 
     spec: PipelineSpec
     runner: Runner
     tokenizer: object | None = None
+    penalty: Penalty | None = None
 
 
 @attrs.define(kw_only=True, eq=False, repr=False)

@@ -18,3 +18,14 @@ def int_at_least(option: str, low: int, *, optional: bool = False):
         return value
 
     return convert
+
+
+def boolean(option: str):
+    """An attrs converter accepting only ``true`` / ``false``."""
+
+    def convert(value):
+        if not isinstance(value, bool):
+            raise SpecError(f"{option} must be true or false, got {value!r}")
+        return value
+
+    return convert

@@ -183,7 +183,7 @@ class Pipeline:
         self.runner = Runner(model)
         context = BuildContext(spec=spec, runner=self.runner, tokenizer=tokenizer)
         # Built in dependency order: a drafter may look at the others through the context.
-        self.penalty = registry.build("penalty", spec.penalty, context)
+        self.penalty = context.penalty = registry.build("penalty", spec.penalty, context)
         self.verifier = registry.build("verifier", spec.verifier, context)
         self.cache_policy = registry.build("cache", spec.cache, context)
         self.retriever = registry.build("retriever", spec.retriever, context)

@@ -26,9 +26,10 @@ PRESETS: dict[str, dict] = {
     # Plain autoregressive decoding: the reference every other preset must equal.
     "ar": _preset({"name": "none"}, {"name": "none"}, {"name": "full"}),
     # The paper's method: heads after an extra forward over a dynamic partial cache,
-    # tree [1, 3, 3, 3], 4-gram reuse (top 20), tree verification.
+    # 4-gram reuse (top 20), tree verification. The tree is the one fitted for the heads
+    # (tree.json beside them, from `tokenswift fit-tree`), else the paper's [1, 3, 3, 3].
     "tokenswift": _preset(
-        {"name": "tokenswift", "heads": "auto", "tree": [1, 3, 3, 3]},
+        {"name": "tokenswift", "heads": "auto"},
         {"name": "ngram", "n": 4, "top_k": 20},
         {"name": "dynamic", "budget": 4096, "sink": 16},
     ),

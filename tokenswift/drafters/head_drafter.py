@@ -9,6 +9,7 @@ import torch
 
 from tokenswift.drafters import template
 from tokenswift.drafters.heads import DraftHeads, find_shipped_heads
+from tokenswift.drafters.tree_fit import load_tree
 from tokenswift.errors import SpecError
 from tokenswift.interfaces import Drafter
 from tokenswift.options import int_at_least
@@ -58,12 +59,18 @@ class HeadDrafter(Drafter):
                 source = "random"
             else:
                 source = str(shipped)
+        tree = options.tree
         if source == "random":
             self.heads = DraftHeads.random(runner.model, num_heads=options.num_heads, seed=options.seed)
         else:
             self.heads = DraftHeads.from_pretrained(source, runner.model)
+            if tree is None:
+                tree = load_tree(source, self.name)  # fitted for these heads (tokenswift fit-tree)
+                if tree is not None:
+                    logger.info("%s drafter: the tree fitted for these heads (%s)", self.name, source)
         self.heads.eval()
-        tree = options.tree if options.tree is not None else self.default_tree
+        if tree is None:
+            tree = self.default_tree
         self.paths = template.index_paths(tree)
         self.widths = template.depth_widths(self.paths)
         if len(self.widths) > self.max_depth:

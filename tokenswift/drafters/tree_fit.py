@@ -1,0 +1,266 @@
+"""Fit a sparse draft tree to how a model's drafts are really accepted.
+
+A tree spends its nodes where they are likely to be accepted. How likely depends on
+the model, its heads and the sampling setting, so a tree is *measured*, not guessed
+(Medusa's sparse-tree construction, applied to the ``tokenswift`` drafter):
+
+1. **Replay.** Generate text with plain autoregressive decoding (the distribution
+   every preset emits), then, for every position, rank the token that was drawn among
+   the drafter's candidates at each depth: depth 1 by the LM head's scores after the
+   penalty (what the ``tokenswift`` drafter proposes), depth k >= 2 by head k-1 on the
+   same hidden state.
+2. **Fit.** Estimate each (depth, rank)'s acceptance as its frequency in the replay
+   and keep the ``nodes`` index paths with the highest product.
+3. **Check.** :func:`tokens_per_step` walks the replayed text step by step down a
+   tree, which is exactly how verification would have walked it, so the fitted tree
+   and the default one can be compared on text they were not fitted on.
+
+A fitted tree is saved as ``tree.json`` beside the heads and used by the drafter
+named in it when its ``tree`` option is not given.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+from tokenswift.errors import SpecError
+from tokenswift.sampling import build_warpers
+
+logger = logging.getLogger(__name__)
+
+TREE_NAME = "tree.json"
+TREE_FORMAT = "tokenswift-tree/1"
+MISS = 10**9  # the rank of a token that is not among a depth's candidates
+
+
+def rank_of(scores: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """scores: [n, vocab], tokens: [n] -> [n] long: each token's rank (0 = best; ties
+    count against it, as ``topk`` may order them either way)."""
+    chosen = scores.gather(1, tokens[:, None].to(scores.device))
+    return (scores > chosen).sum(1).cpu()
+
+
+@torch.inference_mode()
+def replay(model, heads, tokens: Sequence[int], start: int, spec, chunk: int = 256) -> dict[str, torch.Tensor]:
+    """Ranks of the drawn tokens ``tokens[start:]`` (m of them) of one generation.
+
+    model: the causal LM; heads: its :class:`~tokenswift.drafters.heads.DraftHeads`;
+    spec: the :class:`~tokenswift.spec.PipelineSpec` whose penalty and sampling made
+    the text. Returns, index i referring to ``tokens[start + i]``:
+
+    * ``target`` [m]: rank in the target scores (penalty and warpers) at its position,
+      which is also its rank among the penalised LM-head candidates;
+    * ``lm`` [m]: rank in the raw LM-head logits;
+    * ``heads`` / ``heads_penalized`` [num_heads, m]: rank of token t+k+2 in head k's
+      logits on hidden(t), t = start + i - 1, raw / with the penalty of the context up
+      to t (``MISS`` past the end of the text);
+    * ``p_max`` [m]: the largest target probability at the position.
+    """
+    device = next(model.parameters()).device
+    hidden = model.model(torch.tensor([list(tokens)], device=device)).last_hidden_state[0]  # [len, hidden_size]
+    lm_head = model.get_output_embeddings()
+    options = spec.penalty.options if spec.penalty.name == "contextual" else {"value": 1.0}
+    window = int(options.get("window", 1024)) if options.get("value", 1.2) != 1.0 else 0
+    penalty = RepetitionPenaltyLogitsProcessor(penalty=options.get("value", 1.2)) if window else None
+    warpers = build_warpers(spec.sampling, device=device)
+    out = {key: [] for key in ("target", "lm", "p_max", "heads", "heads_penalized")}
+    for begin in range(start, len(tokens), chunk):
+        end = min(begin + chunk, len(tokens))
+        h = hidden[begin - 1 : end - 1]  # hidden(t) scores token t+1
+        drawn = torch.tensor(tokens[begin:end], device=device)
+        logits = lm_head(h).float()  # [c, vocab]
+        head_logits = heads.logits(h, lm_head).float()  # [c, num_heads, vocab]
+        scores, penalised_heads = [], []
+        for row, head_row, position in zip(logits, head_logits, range(begin, end)):
+            context = torch.tensor([tokens[max(0, position - window) : position]], device=device)
+            if penalty is not None:
+                row, head_row = penalty(context, row[None]), penalty(context.expand(len(head_row), -1), head_row)
+            else:
+                row = row[None]
+            scores.append(warpers(context, row)[0] if len(warpers) else row[0])
+            penalised_heads.append(head_row)
+        scores = torch.stack(scores)
+        out["target"].append(rank_of(scores, drawn))
+        out["lm"].append(rank_of(logits, drawn))
+        out["p_max"].append(scores.softmax(-1).max(-1).values.cpu())
+        penalised_heads = torch.stack(penalised_heads)  # [c, num_heads, vocab]
+        heads_ranks, penalised_ranks = [], []
+        for k in range(heads.num_heads):
+            later = torch.tensor(tokens[begin + k + 1 : end + k + 1], dtype=torch.long)  # token t+k+2
+            pad = torch.full((end - begin - len(later),), MISS)
+            heads_ranks.append(torch.cat([rank_of(head_logits[: len(later), k], later), pad]))
+            penalised_ranks.append(torch.cat([rank_of(penalised_heads[: len(later), k], later), pad]))
+        out["heads"].append(torch.stack(heads_ranks))
+        out["heads_penalized"].append(torch.stack(penalised_ranks))
+    return {
+        "target": torch.cat(out["target"]),
+        "lm": torch.cat(out["lm"]),
+        "p_max": torch.cat(out["p_max"]),
+        "heads": torch.cat(out["heads"], dim=1),
+        "heads_penalized": torch.cat(out["heads_penalized"], dim=1),
+    }
+
+
+def depth_ranks(first: torch.Tensor, deeper: Sequence[torch.Tensor], depth: int) -> torch.Tensor:
+    """[m, depth] candidate ranks per step: row i is the step whose root is the token
+    before generated token i; column 0 is ``first`` (the rank of token i), column
+    k >= 1 is ``deeper[k-1]`` (the rank of token i+k, indexed by the same root)."""
+    ranks = torch.full((first.shape[0], depth), MISS)
+    ranks[:, 0] = first
+    for k in range(1, depth):
+        ranks[:, k] = deeper[k - 1][: first.shape[0]]
+    return ranks
+
+
+def tokenswift_ranks(replayed: dict[str, torch.Tensor], depth: int) -> torch.Tensor:
+    """[m, depth] ranks for the ``tokenswift`` drafter: penalised LM head, raw heads."""
+    return depth_ranks(replayed["target"], list(replayed["heads"]), depth)
+
+
+def tokens_per_step(ranks: torch.Tensor, paths: Sequence[Sequence[int]]) -> float:
+    """ranks: [m, depth] from :func:`depth_ranks`. Walks the text step by step down the
+    tree ``paths`` (index paths, as ``drafter.tree`` takes them; a prefix-closed set) as
+    verification would: accept while the drawn token's rank extends the path, then one
+    bonus token. Returns emitted tokens / steps."""
+    tree = {tuple(path) for path in paths}
+    rows = ranks.tolist()
+    depth = min(max(len(path) for path in tree), ranks.shape[1])
+    position, steps = 0, 0
+    while position < len(rows):
+        path: tuple[int, ...] = ()
+        for d in range(depth):
+            deeper = (*path, rows[position][d])
+            if deeper not in tree:
+                break
+            path = deeper
+        position += len(path) + 1
+        steps += 1
+    return len(rows) / steps
+
+
+def fit_tree(ranks: Sequence[torch.Tensor], nodes: int, max_rank: int = 10) -> list[tuple[int, ...]]:
+    """The ``nodes`` index paths most likely to be accepted, estimating a path's chance
+    as the product of its (depth, rank) frequencies in ``ranks`` (each [m, depth]).
+    Prefix-closed; sorted shallow first."""
+    if nodes < 1:
+        raise ValueError(f"a tree needs at least 1 node, got {nodes}")
+    stacked = torch.cat(list(ranks))
+    depth = stacked.shape[1]
+    freq = [[(stacked[:, d] == r).double().mean().item() for r in range(max_rank)] for d in range(depth)]
+    scored = []
+    for length in range(1, depth + 1):
+        for path in itertools.product(range(max_rank), repeat=length):
+            chance = 1.0
+            for d, r in enumerate(path):
+                chance *= freq[d][r]
+            scored.append((chance, path))
+    scored.sort(key=lambda item: (-item[0], len(item[1]), item[1]))
+    chosen: set[tuple[int, ...]] = set()
+    for _, path in scored:  # a prefix always scores at least as high, so this stays prefix-closed
+        if len(chosen) == nodes:
+            break
+        if len(path) == 1 or path[:-1] in chosen:
+            chosen.add(path)
+    return sorted(chosen, key=lambda path: (len(path), path))
+
+
+def save_tree(directory: str | Path, drafter: str, paths: Sequence[Sequence[int]], record: dict) -> Path:
+    """Write ``tree.json`` beside the heads in ``directory``; returns its path."""
+    path = Path(directory) / TREE_NAME
+    data = {"format": TREE_FORMAT, "drafter": drafter, "paths": [list(p) for p in paths], **record}
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def load_tree(directory: str | Path, drafter: str) -> list[list[int]] | None:
+    """The fitted tree saved beside the heads in ``directory`` for ``drafter``, if any."""
+    path = Path(directory) / TREE_NAME
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SpecError(f"cannot read the fitted tree {path}: {exc}") from None
+    if data.get("format") != TREE_FORMAT or not isinstance(data.get("paths"), list):
+        raise SpecError(f"{path} is not a {TREE_FORMAT} file (format {data.get('format')!r})")
+    if data.get("drafter") != drafter:
+        return None
+    return data["paths"]
+
+
+def fit_for_heads(
+    model,
+    tokenizer,
+    heads,
+    *,
+    nodes: int,
+    prompt: Sequence[int],
+    new_tokens: int,
+    seeds: Sequence[int],
+    preset: str = "tokenswift",
+    default_tree: Sequence = (1, 3, 3, 3),
+    progress=None,
+) -> tuple[list[tuple[int, ...]], dict]:
+    """Replay ``len(seeds)`` generations of ``new_tokens`` after ``prompt`` (with the
+    penalty and sampling of ``preset``) and fit a ``nodes``-node tree for the
+    ``tokenswift`` drafter. ``progress(count)`` is called with new tokens as they come.
+
+    Returns the tree fitted on all seeds and a record: per seed, tokens per step of a
+    tree fitted on the *other* seeds and of ``default_tree`` (both replayed on it)."""
+    from tokenswift.drafters.template import index_paths
+    from tokenswift.pipeline import Pipeline
+    from tokenswift.registry import build_registry, get_plugin_manager
+    from tokenswift.spec import PipelineSpec
+
+    if not seeds:
+        raise ValueError("fit a tree on at least one seed")
+    presets = build_registry(get_plugin_manager()).presets
+    if preset not in presets:
+        raise SpecError(f"unknown preset {preset!r}; valid presets: {sorted(presets)}")
+    spec = PipelineSpec.from_dict({"preset": preset}, presets)
+    # The same penalty and sampling with plain decoding: the distribution every preset emits.
+    ar = Pipeline.from_spec(
+        {"preset": "ar", "penalty": spec.penalty.to_dict(), "sampling": spec.sampling.to_dict()}, model, tokenizer
+    )
+    depth = heads.num_heads + 1
+    default_paths = index_paths(list(default_tree))
+    ranks = {}
+    for seed in seeds:
+        stream = (lambda chunk: progress(len(chunk.tokens))) if progress is not None else None
+        result = ar.generate(list(prompt), new_tokens, seed=seed, ignore_eos=True, stream=stream)
+        ranks[seed] = tokenswift_ranks(replay(model, heads, list(prompt) + result.tokens, len(prompt), spec), depth)
+        logger.info("seed %d: %d tokens replayed", seed, len(result.tokens))
+    per_seed = []
+    for seed, held_out in ranks.items():
+        others = [r for s, r in ranks.items() if s != seed] or [held_out]
+        per_seed.append({
+            "seed": seed,
+            "fitted": round(tokens_per_step(held_out, fit_tree(others, nodes)), 3),
+            "default": round(tokens_per_step(held_out, default_paths), 3),
+        })
+    record = {
+        "nodes": nodes,
+        "seeds": list(seeds),
+        "new_tokens": new_tokens,
+        "prompt_tokens": len(prompt),
+        "preset": preset,
+        "penalty": spec.penalty.to_dict(),
+        "sampling": spec.sampling.to_dict(),
+        "default_tree": list(default_tree),
+        "replayed_tokens_per_step": {
+            "fitted": round(sum(s["fitted"] for s in per_seed) / len(per_seed), 3),
+            "default": round(sum(s["default"] for s in per_seed) / len(per_seed), 3),
+            "per_seed": per_seed,
+            "note": "each seed replayed with a tree fitted on the other seeds" if len(seeds) > 1 else "fitted and replayed on the same seed",
+        },
+    }
+    return fit_tree(list(ranks.values()), nodes), record
