@@ -20,8 +20,20 @@ def test_shipped_heads_have_a_training_record():
     assert len(accuracy["top1"]) == 3 and all(0 < a <= b <= 1 for a, b in zip(accuracy["top1"], accuracy["top3"]))
 
 
+def test_shipped_heads_come_with_a_fitted_tree_and_its_record():
+    record = json.loads((shipped_heads_root() / "smollm2" / "tree.json").read_text())
+    assert record["command"].startswith("tokenswift fit-tree") and record["drafter"] == "tokenswift"
+    paths = [tuple(p) for p in record["paths"]]
+    assert len(paths) == record["nodes"] and all(p[:-1] in paths for p in paths if len(p) > 1)
+    assert max(len(p) for p in paths) <= 4  # the LM head + 3 heads
+    replayed = record["replayed_tokens_per_step"]
+    assert replayed["fitted"] > replayed["default"] and len(replayed["per_seed"]) == len(record["seeds"])
+
+
 def test_the_tokenswift_preset_finds_and_uses_the_shipped_heads():
     pipe = Pipeline.from_spec({"preset": "tokenswift", "model": {"path": "smollm2", "dtype": "bfloat16"}})
     assert find_shipped_heads(pipe.model) == shipped_heads_root() / "smollm2"
+    fitted = json.loads((shipped_heads_root() / "smollm2" / "tree.json").read_text())["paths"]
+    assert pipe.drafter.paths == [tuple(p) for p in fitted]
     result = pipe.generate(demo_prompt(), 48, seed=0, ignore_eos=True)
     assert result.stats.accepted_tokens > 0 and result.stats.tokens_per_step > 1.2

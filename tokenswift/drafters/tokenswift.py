@@ -7,8 +7,8 @@ gives depth 1, the heads give depths 2..k+1. Nothing is written into the full KV
 With ``penalize`` (the default) the depth-1 candidates are ranked after the
 pipeline's penalty on the committed context, i.e. by the scores verification draws
 the root's token from. The penalty lowers frequent tokens that appeared recently, so
-the raw top-1 is often not the likely draw: replaying 2,000 sampled tokens of the
-demo model, the raw top-1 matched the draw 18% of the time, the penalised one 30%
+the raw top-1 is often not the likely draw: replaying 3 x 2,000 sampled tokens of the
+demo model, the raw top-1 matched the draw 24% of the time, the penalised one 36%
 (``benchmarks/acceptance_ceiling.py``). Heads keep their raw ranking (the penalty did
 not help there).
 """

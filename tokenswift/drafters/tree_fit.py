@@ -21,7 +21,7 @@ named in it when its ``tree`` option is not given.
 
 from __future__ import annotations
 
-import itertools
+import heapq
 import json
 import logging
 from collections.abc import Sequence
@@ -145,29 +145,26 @@ def tokens_per_step(ranks: torch.Tensor, paths: Sequence[Sequence[int]]) -> floa
     return len(rows) / steps
 
 
-def fit_tree(ranks: Sequence[torch.Tensor], nodes: int, max_rank: int = 10) -> list[tuple[int, ...]]:
+def fit_tree(ranks: Sequence[torch.Tensor], nodes: int, max_rank: int = 32) -> list[tuple[int, ...]]:
     """The ``nodes`` index paths most likely to be accepted, estimating a path's chance
-    as the product of its (depth, rank) frequencies in ``ranks`` (each [m, depth]).
-    Prefix-closed; sorted shallow first."""
+    as the product of its (depth, rank) frequencies in ``ranks`` (each [m, depth]) and
+    considering the top ``max_rank`` candidates per depth. Prefix-closed (a path never
+    scores above its prefix, so best-first adds prefixes first); sorted shallow first."""
     if nodes < 1:
         raise ValueError(f"a tree needs at least 1 node, got {nodes}")
     stacked = torch.cat(list(ranks))
     depth = stacked.shape[1]
     freq = [[(stacked[:, d] == r).double().mean().item() for r in range(max_rank)] for d in range(depth)]
-    scored = []
-    for length in range(1, depth + 1):
-        for path in itertools.product(range(max_rank), repeat=length):
-            chance = 1.0
-            for d, r in enumerate(path):
-                chance *= freq[d][r]
-            scored.append((chance, path))
-    scored.sort(key=lambda item: (-item[0], len(item[1]), item[1]))
-    chosen: set[tuple[int, ...]] = set()
-    for _, path in scored:  # a prefix always scores at least as high, so this stays prefix-closed
-        if len(chosen) == nodes:
-            break
-        if len(path) == 1 or path[:-1] in chosen:
-            chosen.add(path)
+    # best-first on chance (a min-heap of its negative); ties by path, a prefix before its extensions
+    frontier = [(-freq[0][r], (r,)) for r in range(max_rank)]
+    heapq.heapify(frontier)
+    chosen: list[tuple[int, ...]] = []
+    while frontier and len(chosen) < nodes:
+        negative_chance, path = heapq.heappop(frontier)
+        chosen.append(path)
+        if len(path) < depth:
+            for r in range(max_rank):
+                heapq.heappush(frontier, (negative_chance * freq[len(path)][r], (*path, r)))
     return sorted(chosen, key=lambda path: (len(path), path))
 
 
