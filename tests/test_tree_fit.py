@@ -115,6 +115,18 @@ def test_fit_tree_command_writes_a_tree_and_its_record(tmp_path, model_dir, caps
     spec = {"preset": "tokenswift", "drafter": {"heads": str(heads_dir)}}
     assert Pipeline.from_spec(spec, model).drafter.paths == [tuple(p) for p in record["paths"]]
 
+    # a prompt of one's own, and the tree written elsewhere
+    prompt_file, out = tmp_path / "prompt.txt", tmp_path / "out"
+    prompt_file.write_text("the cat sat on the mat " * 4)
+    out.mkdir()
+    code = main([
+        "fit-tree", "--model", str(model_dir), "--dtype", "float32", "--heads", str(heads_dir), "--nodes", "3",
+        "--prompt-file", str(prompt_file), "--new-tokens", "20", "--seeds", "5", "--out", str(out),
+    ])
+    assert code == 0, capsys.readouterr().err
+    record = json.loads((out / "tree.json").read_text())
+    assert record["prompt"] == str(prompt_file) and record["prompt_tokens"] == 24 and len(record["paths"]) == 3
+
 
 @pytest.mark.parametrize(
     ("argv", "message"),
@@ -122,6 +134,8 @@ def test_fit_tree_command_writes_a_tree_and_its_record(tmp_path, model_dir, caps
         (["fit-tree", "--nodes", "0"], "--nodes must be a positive integer, got 0"),
         (["fit-tree", "--new-tokens", "-5"], "--new-tokens must be a positive integer, got -5"),
         (["fit-tree", "--heads", "/nonexistent/heads"], "--heads '/nonexistent/heads' is not a directory of saved heads"),
+        (["fit-tree", "--prompt-file", "/nonexistent/p.txt"], "prompt file not found: /nonexistent/p.txt"),
+        (["fit-tree", "--out", "/nonexistent/dir"], "--out '/nonexistent/dir' is not a directory"),
     ],
 )
 def test_fit_tree_bad_input_is_one_line(argv, message, capsys):

@@ -94,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     fit.add_argument("--heads", default="auto", help="heads directory (default: the heads shipped for the model)")
     fit.add_argument("--nodes", type=int, default=40, help="tree nodes below the root (default 40, as [1,3,3,3])")
-    fit.add_argument("--prompt-tokens", type=int, default=2048, help="tokens of the bundled prompt (default 2048)")
+    fit.add_argument("--prompt-file", help="text to continue, UTF-8 (default: the bundled public-domain prompt)")
+    fit.add_argument("--prompt-tokens", type=int, default=2048, help="prompt tokens used, from its start (default 2048)")
     fit.add_argument("--new-tokens", type=int, default=2000, help="new tokens replayed per seed (default 2000)")
     fit.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="one generation per seed (default 1 2 3)")
     fit.add_argument("--out", help="directory to write tree.json to (default: the heads directory)")
@@ -167,17 +168,21 @@ def _configure_logging(args) -> None:
         hf_logging.disable_progress_bar()  # loading takes under a second from the converted copy
 
 
+def _read_prompt_file(name: str) -> str:
+    path = Path(name)
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise CliError(f"prompt file not found: {path}") from None
+    except UnicodeDecodeError:
+        raise CliError(f"prompt file is not UTF-8 text: {path}") from None
+
+
 def _read_prompt(args) -> str:
     if args.prompt is not None:
         return args.prompt
     if args.prompt_file is not None:
-        path = Path(args.prompt_file)
-        try:
-            return path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise CliError(f"prompt file not found: {path}") from None
-        except UnicodeDecodeError:
-            raise CliError(f"prompt file is not UTF-8 text: {path}") from None
+        return _read_prompt_file(args.prompt_file)
     from tokenswift.prompts import demo_prompt
 
     return demo_prompt()
@@ -423,17 +428,23 @@ def cmd_fit_tree(args, argv) -> int:
         raise CliError(f"--heads {args.heads!r} is not a directory of saved heads")
     if args.out is not None and not Path(args.out).is_dir():
         raise CliError(f"--out {args.out!r} is not a directory")
+    text = _read_prompt_file(args.prompt_file) if args.prompt_file is not None else None
+    if text is not None and not text.strip():
+        raise CliError(f"the prompt file {args.prompt_file} is empty")
     ModelSpec(path=args.model, dtype=args.dtype, device=args.device)  # bad values fail here, before loading
     check_device(args.device)
     started = time.perf_counter()
     model, tokenizer = load_model(ModelSpec(path=args.model, dtype=args.dtype, device=args.device))
     if tokenizer is None:
-        raise CliError(f"fit-tree needs a tokenizer for the bundled prompt, and none was found with {args.model}")
+        raise CliError(f"fit-tree needs a tokenizer for its prompt, and none was found with {args.model}")
     heads_dir = Path(args.heads) if args.heads != "auto" else find_shipped_heads(model)
     if heads_dir is None:
         raise CliError(f"no heads are shipped for {args.model}; pass --heads DIR (train some with train-heads)")
     heads = DraftHeads.from_pretrained(heads_dir, model).eval()
-    prompt = prompt_ids(tokenizer, args.prompt_tokens)
+    if text is None:
+        prompt = prompt_ids(tokenizer, args.prompt_tokens)
+    else:
+        prompt = tokenizer(text, add_special_tokens=False)["input_ids"][: args.prompt_tokens]
     bar = tqdm(total=args.new_tokens * len(args.seeds), unit="tok", file=sys.stderr, dynamic_ncols=True)
     paths, record = fit_for_heads(
         model, tokenizer, heads, nodes=args.nodes, prompt=prompt, new_tokens=args.new_tokens, seeds=args.seeds,
@@ -442,6 +453,7 @@ def cmd_fit_tree(args, argv) -> int:
     bar.close()
     record.update(
         command="tokenswift " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        prompt=args.prompt_file or "bundled (the opening of Wuthering Heights)",
         model=args.model,
         dtype=args.dtype,
         device=_device_name(model),
