@@ -19,7 +19,9 @@ Trees: the paper's [1, 3, 3, 3], cartesian [3]*4 and [10]*4, and sparse trees of
 nodes fitted (leave one seed out) for ``depth1_penalized`` and for the oracle.
 
     python benchmarks/acceptance_ceiling.py --new-tokens 2000 --seeds 0 1 2 \
-        --fit-nodes 20 40 80 --out benchmarks/results/ceiling
+        --fit-nodes 1 3 10 20 40 80 160 320 1000 --out benchmarks/results/ceiling
+
+(``--reuse`` redoes the fits and tables from the saved ranks without generating.)
 """
 
 from __future__ import annotations
@@ -125,7 +127,38 @@ def main(argv=None) -> None:
     }
     (args.out / "ceiling.json").write_text(json.dumps(report, indent=2) + "\n")
     (args.out / "ceiling.md").write_text(markdown(report))
+    if len(args.fit_nodes) > 1:
+        plot(report, args.out / "ceiling.png")
     print(markdown(report), end="")
+
+
+def plot(report: dict, path: Path) -> None:
+    """Mean tokens per step of fitted trees against their size, per drafter, with the
+    paper's [1, 3, 3, 3] tree marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    means = report["mean_tokens_per_step"]
+    labels = {"depth1_penalized": "shipped heads, penalised depth 1", "oracle": "perfect drafter (oracle)"}
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name, label in labels.items():
+        fitted = sorted((int(shape.split("-")[1]), value) for shape, value in means[name].items() if shape.startswith("fitted-"))
+        line = ax.plot([n for n, _ in fitted], [v for _, v in fitted], marker="o", label=f"{label}, fitted trees")[0]
+        ax.scatter([40], [means[name]["[1, 3, 3, 3]"]], marker="x", s=70, color=line.get_color(),
+                   label=f"{label}, [1, 3, 3, 3]")
+    ax.scatter([40], [means["heads"]["[1, 3, 3, 3]"]], marker="x", s=70, color="grey", label="heads as shipped before, [1, 3, 3, 3]")
+    ax.axhline(2.5, color="black", linestyle=":", linewidth=1, label="2.5 tokens per step")
+    ax.set_xscale("log")
+    ax.set_xlabel("tree nodes below the root (drafter only, no n-gram branches)")
+    ax.set_ylabel("tokens per step (replayed)")
+    ax.set_title(f"{report['model']}, {len(report['runs'])} x {report['new_tokens']} sampled tokens")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def markdown(report: dict) -> str:
