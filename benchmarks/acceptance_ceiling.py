@@ -99,7 +99,9 @@ def main(argv=None) -> None:
         prompt = prompt_ids(tokenizer, args.prompt_tokens)
         for seed in args.seeds:
             result = pipe.generate(prompt, args.new_tokens, seed=seed, ignore_eos=True)
-            replays[seed] = replay(model, heads, prompt + result.tokens, len(prompt), pipe.spec)
+            replays[seed] = replay(
+                model, heads, prompt + result.tokens, len(prompt), pipe.penalty, pipe.spec.sampling, penalized_heads=True
+            )
             torch.save(replays[seed], args.out / f"ranks-seed{seed}.pt")
             logger.info("seed %d replayed: %s", seed, summary(replays[seed]))
 

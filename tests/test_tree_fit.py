@@ -51,8 +51,15 @@ def test_fit_tree_keeps_the_likeliest_prefix_closed_paths():
     assert tokens_per_step(ranks, tree) > tokens_per_step(ranks, [(0,), (0, 0)])
 
 
-@pytest.mark.parametrize("tree", [[1, 3, 3, 3], [[0], [1], [2], [0, 0], [1, 0], [0, 0, 0], [0, 0, 0, 0]]])
-def test_replay_predicts_the_pipelines_steps_exactly(tmp_path, tree):
+@pytest.mark.parametrize(
+    ("tree", "penalty"),
+    [
+        ([1, 3, 3, 3], PENALTY),
+        ([[0], [1], [2], [0, 0], [1, 0], [0, 0, 0], [0, 0, 0, 0]], PENALTY),
+        ([1, 3, 3, 3], {"name": "none"}),
+    ],
+)
+def test_replay_predicts_the_pipelines_steps_exactly(tmp_path, tree, penalty):
     """The replay of an autoregressive run, walked down a tree, segments the text into
     the same steps as the ``tokenswift`` drafter with that tree (float64, same seed:
     the speculative run emits the very tokens of the autoregressive one)."""
@@ -60,7 +67,7 @@ def test_replay_predicts_the_pipelines_steps_exactly(tmp_path, tree):
     heads = DraftHeads.random(model, num_heads=3, seed=1, std=0.5)
     heads.save_pretrained(tmp_path)
     prompt = [5, 9, 17, 3, 22, 41, 8, 30]
-    common = {"penalty": PENALTY, "sampling": SAMPLING}
+    common = {"penalty": penalty, "sampling": SAMPLING}
     ar = Pipeline.from_spec({"preset": "ar", **common}, model).generate(prompt, 60, seed=4, ignore_eos=True)
     pipe = Pipeline.from_spec(
         {
@@ -74,7 +81,7 @@ def test_replay_predicts_the_pipelines_steps_exactly(tmp_path, tree):
     )
     result = pipe.generate(prompt, 60, seed=4, ignore_eos=True)
     assert result.tokens == ar.tokens
-    ranks = tokenswift_ranks(replay(model, heads, prompt + ar.tokens, len(prompt), pipe.spec), depth=4)
+    ranks = tokenswift_ranks(replay(model, heads, prompt + ar.tokens, len(prompt), pipe.penalty, pipe.spec.sampling), depth=4)
     assert result.stats.tokens_per_step > 1.2  # drafts are really accepted here
     assert tokens_per_step(ranks, index_paths(tree)) == pytest.approx(result.stats.tokens_per_step)
 

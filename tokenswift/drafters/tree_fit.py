@@ -28,10 +28,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from tokenswift.errors import SpecError
+from tokenswift.interfaces import Penalty
 from tokenswift.sampling import build_warpers
+from tokenswift.spec import SamplingSpec
 
 logger = logging.getLogger(__name__)
 
@@ -48,11 +49,21 @@ def rank_of(scores: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def replay(model, heads, tokens: Sequence[int], start: int, spec, chunk: int = 256) -> dict[str, torch.Tensor]:
+def replay(
+    model,
+    heads,
+    tokens: Sequence[int],
+    start: int,
+    penalty: Penalty,
+    sampling: SamplingSpec,
+    *,
+    penalized_heads: bool = False,
+    chunk: int = 256,
+) -> dict[str, torch.Tensor]:
     """Ranks of the drawn tokens ``tokens[start:]`` (m of them) of one generation.
 
     model: the causal LM; heads: its :class:`~tokenswift.drafters.heads.DraftHeads`;
-    spec: the :class:`~tokenswift.spec.PipelineSpec` whose penalty and sampling made
+    penalty, sampling: the pipeline's penalty component and sampling spec that made
     the text. Returns, index i referring to ``tokens[start + i]``:
 
     * ``target`` [m]: rank in the target scores (penalty and warpers) at its position,
@@ -60,17 +71,17 @@ def replay(model, heads, tokens: Sequence[int], start: int, spec, chunk: int = 2
     * ``lm`` [m]: rank in the raw LM-head logits;
     * ``heads`` / ``heads_penalized`` [num_heads, m]: rank of token t+k+2 in head k's
       logits on hidden(t), t = start + i - 1, raw / with the penalty of the context up
-      to t (``MISS`` past the end of the text);
+      to t (``MISS`` past the end of the text; the penalised ones only with
+      ``penalized_heads``);
     * ``p_max`` [m]: the largest target probability at the position.
     """
     device = next(model.parameters()).device
     hidden = model.model(torch.tensor([list(tokens)], device=device)).last_hidden_state[0]  # [len, hidden_size]
     lm_head = model.get_output_embeddings()
-    options = spec.penalty.options if spec.penalty.name == "contextual" else {"value": 1.0}
-    window = int(options.get("window", 1024)) if options.get("value", 1.2) != 1.0 else 0
-    penalty = RepetitionPenaltyLogitsProcessor(penalty=options.get("value", 1.2)) if window else None
-    warpers = build_warpers(spec.sampling, device=device)
-    out = {key: [] for key in ("target", "lm", "p_max", "heads", "heads_penalized")}
+    window = penalty.window
+    warpers = build_warpers(sampling, device=device)
+    keys = ("target", "lm", "p_max", "heads") + (("heads_penalized",) if penalized_heads else ())
+    out = {key: [] for key in keys}
     for begin in range(start, len(tokens), chunk):
         end = min(begin + chunk, len(tokens))
         h = hidden[begin - 1 : end - 1]  # hidden(t) scores token t+1
@@ -79,33 +90,28 @@ def replay(model, heads, tokens: Sequence[int], start: int, spec, chunk: int = 2
         head_logits = heads.logits(h, lm_head).float()  # [c, num_heads, vocab]
         scores, penalised_heads = [], []
         for row, head_row, position in zip(logits, head_logits, range(begin, end)):
-            context = torch.tensor([tokens[max(0, position - window) : position]], device=device)
-            if penalty is not None:
-                row, head_row = penalty(context, row[None]), penalty(context.expand(len(head_row), -1), head_row)
-            else:
-                row = row[None]
+            context = torch.tensor(
+                [tokens[max(0, position - window) : position] if window else []], dtype=torch.long, device=device
+            )
+            row = penalty.apply(context, row[None])
             scores.append(warpers(context, row)[0] if len(warpers) else row[0])
-            penalised_heads.append(head_row)
+            if penalized_heads:
+                penalised_heads.append(penalty.apply(context.expand(len(head_row), -1), head_row))
         scores = torch.stack(scores)
         out["target"].append(rank_of(scores, drawn))
         out["lm"].append(rank_of(logits, drawn))
         out["p_max"].append(scores.softmax(-1).max(-1).values.cpu())
-        penalised_heads = torch.stack(penalised_heads)  # [c, num_heads, vocab]
-        heads_ranks, penalised_ranks = [], []
-        for k in range(heads.num_heads):
-            later = torch.tensor(tokens[begin + k + 1 : end + k + 1], dtype=torch.long)  # token t+k+2
-            pad = torch.full((end - begin - len(later),), MISS)
-            heads_ranks.append(torch.cat([rank_of(head_logits[: len(later), k], later), pad]))
-            penalised_ranks.append(torch.cat([rank_of(penalised_heads[: len(later), k], later), pad]))
-        out["heads"].append(torch.stack(heads_ranks))
-        out["heads_penalized"].append(torch.stack(penalised_ranks))
-    return {
-        "target": torch.cat(out["target"]),
-        "lm": torch.cat(out["lm"]),
-        "p_max": torch.cat(out["p_max"]),
-        "heads": torch.cat(out["heads"], dim=1),
-        "heads_penalized": torch.cat(out["heads_penalized"], dim=1),
-    }
+        sources = {"heads": head_logits}
+        if penalized_heads:
+            sources["heads_penalized"] = torch.stack(penalised_heads)  # [c, num_heads, vocab]
+        for key, source in sources.items():
+            ranks = []
+            for k in range(heads.num_heads):
+                later = torch.tensor(tokens[begin + k + 1 : end + k + 1], dtype=torch.long)  # token t+k+2
+                pad = torch.full((end - begin - len(later),), MISS)
+                ranks.append(torch.cat([rank_of(source[: len(later), k], later), pad]))
+            out[key].append(torch.stack(ranks))
+    return {key: torch.cat(parts, dim=1 if key.startswith("heads") else 0) for key, parts in out.items()}
 
 
 def depth_ranks(first: torch.Tensor, deeper: Sequence[torch.Tensor], depth: int) -> torch.Tensor:
@@ -234,7 +240,8 @@ def fit_for_heads(
     for seed in seeds:
         stream = (lambda chunk: progress(len(chunk.tokens))) if progress is not None else None
         result = ar.generate(list(prompt), new_tokens, seed=seed, ignore_eos=True, stream=stream)
-        ranks[seed] = tokenswift_ranks(replay(model, heads, list(prompt) + result.tokens, len(prompt), spec), depth)
+        replayed = replay(model, heads, list(prompt) + result.tokens, len(prompt), ar.penalty, ar.spec.sampling)
+        ranks[seed] = tokenswift_ranks(replayed, depth)
         logger.info("seed %d: %d tokens replayed", seed, len(result.tokens))
     per_seed = []
     for seed, held_out in ranks.items():
