@@ -2,7 +2,7 @@
 close do the shipped heads come?
 
 Generates text with plain autoregressive decoding (the exact output distribution of
-every preset), then replays it (``tokenswift.drafters.tree_fit.replay``): for every
+every preset), then replays it (``tokenswift.tools.tree_fit.replay``): for every
 position, the rank of the drawn token among each drafter's candidates. Walking the
 replayed text down a tree gives the tokens per step that drafter and tree would have
 earned on it, for:
@@ -34,9 +34,9 @@ from pathlib import Path
 import torch
 
 from tokenswift import Pipeline
-from tokenswift.drafters.heads import DraftHeads, find_shipped_heads
+from tokenswift.drafters.draft_heads import DraftHeads, find_shipped_heads
 from tokenswift.drafters.template import index_paths
-from tokenswift.drafters.tree_fit import MISS, depth_ranks, fit_tree, replay, tokens_per_step
+from tokenswift.tools.tree_fit import MISS, depth_ranks, fit_tree, replay, tokens_per_step
 from tokenswift.model.loading import load_model
 from tokenswift.prompts import prompt_ids
 from tokenswift.spec import ModelSpec
@@ -100,7 +100,7 @@ def main(argv=None) -> None:
         for seed in args.seeds:
             result = pipe.generate(prompt, args.new_tokens, seed=seed, ignore_eos=True)
             replays[seed] = replay(
-                model, heads, prompt + result.tokens, len(prompt), pipe.penalty, pipe.spec.sampling, penalized_heads=True
+                model, heads, prompt + result.tokens, len(prompt), pipe.scorer, penalized_heads=True
             )
             torch.save(replays[seed], args.out / f"ranks-seed{seed}.pt")
             logger.info("seed %d replayed: %s", seed, summary(replays[seed]))

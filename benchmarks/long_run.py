@@ -27,7 +27,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from tokenswift import Pipeline, hookimpl
-from tokenswift.bench import peak_rss_mib
+from tokenswift.memory import peak_rss_mib
 from tokenswift.checkpoint import Checkpoint
 from tokenswift.errors import SpecError
 from tokenswift.prompts import prompt_ids
@@ -61,14 +61,16 @@ class BlockRecorder:
     def __init__(self, block: int, bar: tqdm, on_block) -> None:
         self.block, self.bar, self.on_block = block, bar, on_block
         self.blocks: list[dict] = []
-        self.mark = None  # (generated, seconds, propose seconds) at the last block end
+        self.mark = None  # (generated, seconds) at the last block end
+        self.propose_seconds = 0.0  # drafting-stage seconds since the last block end
 
     @hookimpl
     def tokenswift_step_end(self, pipeline, step):
         self.bar.update(len(step.emitted))
         if self.mark is None:
-            self.mark = (step.generated - len(step.emitted), 0.0, 0.0)
-        generated, seconds, propose = self.mark
+            self.mark = (step.generated - len(step.emitted), 0.0)
+        self.propose_seconds += step.stage_seconds["propose"]
+        generated, seconds = self.mark
         if step.generated - generated < self.block and step.generated < self.bar.total:
             return
         tokens = step.generated - generated
@@ -76,11 +78,12 @@ class BlockRecorder:
             {
                 "generated": step.generated,
                 "ms_per_token": round(1000 * (step.seconds - seconds) / tokens, 2),
-                "draft_ms_per_token": round(1000 * (step.stage_seconds["propose"] - propose) / tokens, 2),
+                "draft_ms_per_token": round(1000 * self.propose_seconds / tokens, 2),
                 "rss_mib": round(resident_mib(), 1),
             }
         )
-        self.mark = (step.generated, step.seconds, step.stage_seconds["propose"])
+        self.mark = (step.generated, step.seconds)
+        self.propose_seconds = 0.0
         self.bar.set_postfix({"ms/tok": self.blocks[-1]["ms_per_token"], "RSS MiB": self.blocks[-1]["rss_mib"]})
         self.on_block(self.blocks)
 

@@ -4,7 +4,7 @@ import csv
 
 import pytest
 
-from tokenswift.ablate import Grid, run_ablation, write_reports
+from tokenswift.tools.ablate import Grid, run_ablation, write_reports
 from tokenswift.cli import main
 from tokenswift.errors import SpecError
 from tokenswift.testing import looping_model, word_tokenizer
@@ -83,7 +83,7 @@ def test_grid_errors(tmp_path, capsys):
 def test_shipped_grids_are_valid(name):
     from pathlib import Path
 
-    from tokenswift.ablate import cell_specs
+    from tokenswift.tools.ablate import cell_specs
     from tokenswift.registry import build_registry, get_plugin_manager
 
     grid = Grid.load(Path(__file__).resolve().parent.parent / "benchmarks" / "grids" / f"{name}.toml")

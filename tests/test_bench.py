@@ -2,7 +2,7 @@
 
 import json
 
-from tokenswift.bench import BenchConfig, WindowedRepetitionPenalty, distinct_n, run_bench, write_reports
+from tokenswift.tools.bench import BenchConfig, PenaltyProcessor, distinct_n, run_bench, write_reports
 from tokenswift.testing import word_tokenizer, looping_model
 
 
@@ -33,10 +33,14 @@ def test_bench_on_a_tiny_model(tmp_path):
     assert paths["plot"].read_bytes()[:4] == b"\x89PNG"
 
 
-def test_distinct_n_and_windowed_penalty():
+def test_distinct_n_and_the_baselines_windowed_penalty():
     assert distinct_n([1, 2, 1, 2, 3], 1) == 3 / 5 and distinct_n([1, 2, 1, 2], 2) == 2 / 3
     import torch
 
+    from tokenswift import Pipeline
+    from tokenswift.testing import tiny_model_for
+
+    pipe = Pipeline.from_spec({"preset": "ar", "penalty": {"name": "contextual", "value": 2.0, "window": 2}}, tiny_model_for("llama-mha"))
     scores = torch.ones(1, 5)
-    out = WindowedRepetitionPenalty(2.0, 2)(torch.tensor([[0, 1, 2]]), scores.clone())
-    assert out.tolist() == [[1.0, 0.5, 0.5, 1.0, 1.0]]
+    out = PenaltyProcessor(pipe.scorer)(torch.tensor([[0, 1, 2]]), scores.clone())
+    assert out.tolist() == [[1.0, 0.5, 0.5, 1.0, 1.0]]  # only the last 2 tokens are penalised

@@ -1,5 +1,6 @@
 """Checkpoints: an interrupted generation resumes exactly where it stopped."""
 
+import attrs
 import pytest
 
 from tokenswift import Pipeline, get_plugin_manager, hookimpl
@@ -83,3 +84,42 @@ def test_bad_checkpoints(tmp_path):
     bad.write_text('{"format": "other"}')
     with pytest.raises(TokenswiftError, match="is not a tokenswift checkpoint"):
         Checkpoint.load(bad)
+
+
+def test_an_interrupt_in_the_middle_of_a_step_resumes_exactly(tmp_path):
+    """Ctrl-C can land after a step has drawn random numbers but before it committed:
+    the checkpoint must hold the generator as of the last committed step."""
+    from tokenswift.verifiers.tree_sampling import TreeSamplingVerifier
+
+    class InterruptedOnce(TreeSamplingVerifier):
+        """tree-sampling, but the fifth step is interrupted right after its first draw."""
+
+        calls = 0
+
+        def verify(self, tree, scores, sampler):
+            InterruptedOnce.calls += 1
+            if InterruptedOnce.calls == 5:
+                sampler.draw(scores[0])
+                raise KeyboardInterrupt
+            return super().verify(tree, scores, sampler)
+
+    class Plugin:
+        @hookimpl
+        def tokenswift_register_components(self, registrar):
+            registrar.add("verifier", "interrupted-once", InterruptedOnce)
+
+    model = tiny_model_for("llama-gqa")
+    spec = {**SPEC, "sampling": {"temperature": 1.0}}
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    full = Pipeline.from_spec(spec, model).generate(prompt, 40, seed=7, ignore_eos=True)
+    pm = get_plugin_manager()
+    pm.register(Plugin())
+    path = tmp_path / "run.ckpt"
+    cut = Pipeline.from_spec({**spec, "verifier": {"name": "interrupted-once"}}, model, plugin_manager=pm).generate(
+        prompt, 40, seed=7, ignore_eos=True, checkpoint=path
+    )
+    assert cut.stats.finish_reason == "interrupted" and cut.stats.steps == 4
+    saved = Checkpoint.load(path)
+    assert saved.tokens == cut.tokens == full.tokens[: len(cut.tokens)]
+    resumed = Pipeline.from_spec(spec, model).generate(None, 0, resume=Checkpoint(**{**attrs.asdict(saved), "spec": spec}))
+    assert resumed.tokens == full.tokens

@@ -88,7 +88,7 @@ def _spec(tmp_path, model_dir, body):
 
 
 def _other_heads(tmp_path):
-    from tokenswift.drafters.heads import DraftHeads
+    from tokenswift.drafters.draft_heads import DraftHeads
 
     DraftHeads.random(tiny_model_for("llama-gqa", "float32", seed=9)).save_pretrained(tmp_path / "heads")
     return str(tmp_path / "heads")

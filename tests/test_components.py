@@ -7,11 +7,11 @@ import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from tokenswift import ModelLoadError, Pipeline, SpecError
-from tokenswift.caches.dynamic import DynamicCache
-from tokenswift.drafters.heads import DraftHeads, model_fingerprint
+from tokenswift.caches.dynamic import DynamicPolicy
+from tokenswift.drafters.draft_heads import DraftHeads, model_fingerprint
 from tokenswift.drafters.template import index_paths
 from tokenswift.interfaces import DecodeState
-from tokenswift.model.kv import CompactView, FullView
+from tokenswift.model.kv import CompactView
 from tokenswift.testing import looping_model, reference_generate, tiny_model_for
 from tokenswift.tree import DraftTree
 
@@ -91,20 +91,20 @@ def test_ngram_table_holds_only_ngrams_that_left_the_penalty_window():
     pipe = build({"preset": "tokenswift", "penalty": {"window": 4}})
     retriever = pipe.retriever
     tokens = [1, 2, 3, 4, 1, 2, 3, 5, 6, 7, 8, 9]
-    retriever.start(DecodeState(tokens=list(tokens), prompt_length=len(tokens), runner=pipe.runner))
+    retriever.start(DecodeState(tokens=list(tokens), prompt_length=len(tokens)))
     # n-grams wholly before the last 4 tokens: starts 0..4 of tokens[:8]
     assert retriever.fed == 5
     assert retriever.continuations(1) == [(2, 3, 4), (2, 3, 5)]
     assert retriever.continuations(6) == []
     tokens += [10]
-    retriever.observe(DecodeState(tokens=tokens, prompt_length=12, runner=pipe.runner), [10])
+    retriever.observe(DecodeState(tokens=tokens, prompt_length=12), None)
     assert retriever.continuations(2) == [(3, 4, 1), (3, 5, 6)]
 
 
 def test_ngram_ranks_by_count_and_keys_on_depth_one_candidates():
     pipe = build({"preset": "tokenswift", "penalty": {"name": "none"}, "retriever": {"top_k": 2}})
     tokens = [0, 7, 1, 1, 1, 7, 2, 2, 2, 7, 2, 2, 2, 7, 3, 3, 3, 0]
-    state = DecodeState(tokens=tokens, prompt_length=len(tokens), runner=pipe.runner)
+    state = DecodeState(tokens=tokens, prompt_length=len(tokens))
     pipe.retriever.start(state)
     assert pipe.retriever.retrieve(state, [7]) == [[7, 2, 2, 2], [7, 1, 1, 1]]
     assert pipe.retriever.retrieve(state, []) == [[7, 1, 1]]  # keyed on the root (token 0)
@@ -113,7 +113,7 @@ def test_ngram_ranks_by_count_and_keys_on_depth_one_candidates():
 def test_prompt_lookup_continues_the_latest_match():
     pipe = build({"preset": "prompt-lookup", "retriever": {"num_tokens": 3}})
     tokens = [5, 6, 7, 1, 5, 6, 8, 2, 9, 5, 6]
-    state = DecodeState(tokens=tokens, prompt_length=len(tokens), runner=pipe.runner)
+    state = DecodeState(tokens=tokens, prompt_length=len(tokens))
     assert pipe.retriever.retrieve(state, []) == [[8, 2, 9]]
 
 
@@ -126,7 +126,7 @@ def prefilled(model, tokens, capacity=64):
     )
     pipe.runner.allocate(capacity)
     pipe.runner.prefill(torch.tensor(tokens[:-1]))
-    state = DecodeState(tokens=list(tokens), prompt_length=len(tokens), runner=pipe.runner)
+    state = DecodeState(tokens=list(tokens), prompt_length=len(tokens))
     pipe.cache_policy.start(state)
     return pipe, state
 
@@ -158,14 +158,14 @@ def test_dynamic_view_adapts_to_short_prompts_then_refreshes_when_the_window_fil
     model = tiny_model_for("llama-gqa")
     pipe, state = prefilled(model, list(range(1, 11)))  # 9 committed < budget 12
     policy = pipe.cache_policy
-    assert isinstance(policy.drafting_view(state), FullView)
+    assert policy.drafting_view(state) is None  # the whole context fits the budget
     sizes, refreshes = [], []
     for step in range(12):
         pipe.runner.forward(torch.tensor([state.tokens[-1]]))
         pipe.runner.commit([0])
         state.tokens.append(step % 7)
         view = policy.drafting_view(state)
-        sizes.append(view.size)
+        sizes.append(pipe.runner.store.length if view is None else view.size)
         refreshes.append(policy.refreshes)
     committed = [10 + i for i in range(12)]
     assert [s for s, c in zip(sizes, committed) if c <= 12] == [c for c in committed if c <= 12]
@@ -181,7 +181,7 @@ def test_compact_view_matches_an_index_gather():
     view = CompactView(store, 10)
     view.load(store, torch.tensor([0, 3, 4, 9]))
     view.append(store, 15, 18)
-    keys, values = view.layer_kv(store, 1)
+    keys, values = view.contents(1)
     positions = torch.tensor([0, 3, 4, 9, 15, 16, 17])
     assert torch.equal(keys, store.keys[1][:, :, positions]) and torch.equal(values, store.values[1][:, :, positions])
 
@@ -195,15 +195,12 @@ def test_drafting_never_writes_into_the_committed_kv(cache):
     }
     pipe = Pipeline.from_spec(spec, looping_model())
     tokens = list(range(1, 30))
-    pipe.runner.allocate(64)
-    pipe.runner.prefill(torch.tensor(tokens[:-1]))
-    state = DecodeState(tokens=tokens, prompt_length=len(tokens), runner=pipe.runner)
-    for component in (pipe.cache_policy, pipe.retriever, pipe.drafter):
-        component.start(state)
+    run = pipe.start(tokens, 8)
+    run.prefill()
     store = pipe.runner.store
     committed = store.length
     before = [t[:, :, :committed].clone() for t in store.keys + store.values]
-    tree = pipe._propose(state)
+    tree = run.propose()
     assert len(tree) > 1 and store.staged == 0 and store.length == committed == len(tokens) - 1
     for old, new in zip(before, store.keys + store.values):
         assert torch.equal(old, new[:, :, :committed])
@@ -211,7 +208,7 @@ def test_drafting_never_writes_into_the_committed_kv(cache):
 
 def test_dynamic_is_the_default_of_the_tokenswift_preset():
     pipe = build("tokenswift")
-    assert isinstance(pipe.cache_policy, DynamicCache) and pipe.cache_policy.options.budget == 4096
+    assert isinstance(pipe.cache_policy, DynamicPolicy) and pipe.cache_policy.options.budget == 4096
     assert pipe.max_tree_nodes() == 1 + 40 + 20 * 4
 
 
@@ -235,9 +232,8 @@ def test_tokenswift_ranks_depth_one_with_the_penalty_verification_applies(penali
         "sampling": {"greedy": True},
     }
     pipe = Pipeline.from_spec(spec, model)
-    pipe.runner.allocate(64)
-    pipe.runner.prefill(torch.tensor(prompt[:-1]))
-    state = DecodeState(tokens=list(prompt), prompt_length=len(prompt), runner=pipe.runner)
-    tree = pipe._propose(state)
+    run = pipe.start(prompt, 8)
+    run.prefill()
+    tree = run.propose()
     expected = (penalised if penalize else raw).argmax().item()
     assert list(tree.children(0)) == [expected]

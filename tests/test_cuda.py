@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tokenswift import Pipeline
-from tokenswift.bench import BenchConfig, run_bench
-from tokenswift.drafters.training import TrainConfig, train_heads
+from tokenswift.tools.bench import BenchConfig, run_bench
+from tokenswift.tools.training import TrainConfig, train_heads
 from tokenswift.testing import TINY_CONFIGS, assert_lossless, looping_model, tiny_model, word_tokenizer
 
 DEVICE = "cuda"

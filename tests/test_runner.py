@@ -93,7 +93,7 @@ def test_per_head_view_gathers_each_heads_positions():
     indices = torch.tensor([[[0, 3, 5], [1, 2, 9]], [[4, 6, 8], [0, 1, 7]]])  # [layers, kv_heads, S]
     view = IndexView(indices)
     for layer in range(2):
-        keys, values = view.layer_kv(runner.store, layer)
+        keys, values = view.gather(runner.store, layer)
         for head in range(2):
             expected = runner.store.keys[layer][0, head, indices[layer, head]]
             assert torch.equal(keys[0, head], expected)

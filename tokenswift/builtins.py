@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pluggy
 
-from tokenswift.caches.dynamic import DynamicCache
-from tokenswift.caches.full import FullCache
-from tokenswift.caches.streaming import StreamingCache
+from tokenswift.caches.dynamic import DynamicPolicy
+from tokenswift.caches.full import FullPolicy
+from tokenswift.caches.streaming import StreamingPolicy
 from tokenswift.drafters.medusa import MedusaDrafter
 from tokenswift.drafters.none import NoDrafter
 from tokenswift.drafters.tokenswift import TokenSwiftDrafter
@@ -24,7 +24,7 @@ hookimpl = pluggy.HookimplMarker("tokenswift")
 COMPONENTS = {
     "drafter": {"none": NoDrafter, "tokenswift": TokenSwiftDrafter, "medusa": MedusaDrafter},
     "retriever": {"none": NoRetriever, "ngram": NgramRetriever, "prompt-lookup": PromptLookupRetriever},
-    "cache": {"full": FullCache, "dynamic": DynamicCache, "streaming": StreamingCache},
+    "cache": {"full": FullPolicy, "dynamic": DynamicPolicy, "streaming": StreamingPolicy},
     "verifier": {"tree-sampling": TreeSamplingVerifier, "greedy": GreedyVerifier},
     "penalty": {"none": NoPenalty, "contextual": ContextualPenalty},
 }

@@ -1,15 +1,17 @@
 """The five component interfaces. One role each:
 
-* :class:`Drafter` proposes branches below the root (heads, extra forwards);
+* :class:`Drafter` proposes branches below the root (from heads, from a drafting pass);
 * :class:`Retriever` proposes branches from the text so far (n-grams, lookups);
-* :class:`CachePolicy` chooses the KV view drafting forwards attend over;
+* :class:`CachePolicy` chooses the KV view a drafting pass attends over;
 * :class:`Penalty` transforms each tree node's logits with that node's own context;
 * :class:`Verifier` walks the scored tree and decides the accepted path and bonus token.
 
 Every component class has an ``Options`` attrs class (its validated options, with
-defaults) and is built as ``Component(options, context)``. Components may change
-speed, never the output distribution: the property tests in ``tokenswift.testing``
-hold every one of them to that.
+defaults) and is built as ``Component(options, context)``. What a component needs
+from a step it declares here (:attr:`Drafter.needs_root_pass`) or receives through its
+methods (:class:`DraftInputs`, :class:`StepOutcome`); the model it reaches only through
+``context.runner``. Components may change speed, never the output distribution: the
+property tests in :mod:`tokenswift.testing` hold every one of them to that.
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ if TYPE_CHECKING:
     from tokenswift.model.kv import KVView
     from tokenswift.model.runner import ForwardOutput, Runner
     from tokenswift.sampling import Sampler
-    from tokenswift.scoring import NodeScores
+    from tokenswift.scoring import NodeScores, Scorer
     from tokenswift.spec import PipelineSpec
-    from tokenswift.tree import DraftTree
+    from tokenswift.tree import Branch, DraftTree
 
 
 @attrs.frozen(kw_only=True)
@@ -36,32 +38,31 @@ class NoOptions:
 
 @attrs.define(kw_only=True, eq=False)
 class BuildContext:
-    """What a component may look at when it is built. ``penalty`` is the pipeline's
-    penalty component (built first, so the others may rank candidates with it)."""
+    """What a component may look at when it is built: the spec, the model's runner, the
+    tokenizer, and the pipeline's :class:`~tokenswift.scoring.Scorer` (penalty and
+    warpers; built first, so it is None only while the penalty itself is built)."""
 
     spec: PipelineSpec
     runner: Runner
     tokenizer: object | None = None
-    penalty: Penalty | None = None
+    scorer: Scorer | None = None
+
+    @property
+    def penalty(self) -> Penalty | None:
+        return None if self.scorer is None else self.scorer.penalty
 
 
 @attrs.define(kw_only=True, eq=False, repr=False)
 class DecodeState:
-    """The state of one generation, shared by the components.
+    """The text of one generation, as components see it.
 
     tokens: every committed token id (prompt, then generated); the last one is the
     root of the next tree and has no KV yet.
-    last_output: the latest verify forward; last_accepted: the tree node whose
-    logits produced the bonus token (its hidden state is ``last_output.hidden[i]``).
     """
 
     tokens: list[int]
     prompt_length: int
-    runner: Runner
     step: int = 0
-    last_tree: DraftTree | None = None
-    last_output: ForwardOutput | None = None
-    last_accepted: int = 0
 
     def __repr__(self) -> str:
         return f"DecodeState(tokens={len(self.tokens)}, prompt={self.prompt_length}, step={self.step})"
@@ -69,6 +70,43 @@ class DecodeState:
     @property
     def generated(self) -> int:
         return len(self.tokens) - self.prompt_length
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class DraftInputs:
+    """What a drafter may draft from, without a forward of its own.
+
+    parent_hidden: [hidden_size], the final-norm hidden state of the position whose
+    logits gave the root token (from the previous forward), or None.
+    root: a drafter with :attr:`Drafter.needs_root_pass` gets the root forwarded over
+    the cache policy's drafting view (logits [1, vocab] and hidden [1, hidden_size]);
+    root_exact says that view was the whole context, so the root's logits are the ones
+    verification will draw from.
+    """
+
+    parent_hidden: torch.Tensor | None = None
+    root: ForwardOutput | None = None
+    root_exact: bool = False
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class StepOutcome:
+    """One committed step, as components observe it.
+
+    emitted: the new tokens (accepted, then the bonus; cut at EOS / max_new_tokens);
+    tree and accepted: the verified tree and its accepted nodes (root excluded);
+    hidden: [len(tree), hidden_size], the verify forward's final-norm hidden states.
+    """
+
+    emitted: list[int]
+    tree: DraftTree
+    accepted: list[int]
+    hidden: torch.Tensor
+
+    @property
+    def bonus_parent(self) -> int:
+        """The tree node whose logits gave the bonus token (the last accepted, or the root)."""
+        return self.accepted[-1] if self.accepted else 0
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -90,8 +128,8 @@ class Component(abc.ABC):
     def start(self, state: DecodeState) -> None:
         """A generation starts: prompt prefilled, ``state.tokens`` is the prompt."""
 
-    def observe(self, state: DecodeState, new_tokens: list[int]) -> None:
-        """Tokens were committed (already appended to ``state.tokens``)."""
+    def observe(self, state: DecodeState, outcome: StepOutcome) -> None:
+        """A step was committed (its tokens already appended to ``state.tokens``)."""
 
     @property
     def max_tree_nodes(self) -> int:
@@ -100,21 +138,31 @@ class Component(abc.ABC):
 
 
 class Drafter(Component):
+    #: True: the pipeline forwards the root over the cache policy's drafting view
+    #: before :meth:`propose` and passes the result as ``inputs.root``.
+    needs_root_pass: ClassVar[bool] = False
+
     @abc.abstractmethod
-    def propose(self, state: DecodeState, view: KVView | None) -> list[list[int]]:
-        """Branches (token sequences) below the root, best first."""
+    def propose(self, state: DecodeState, inputs: DraftInputs) -> list[list[int] | Branch]:
+        """Branches (token lists, or :class:`~tokenswift.tree.Branch` with confidences)
+        below the root, best first."""
 
 
 class Retriever(Component):
     @abc.abstractmethod
-    def retrieve(self, state: DecodeState, first_tokens: list[int]) -> list[list[int]]:
+    def retrieve(self, state: DecodeState, first_tokens: list[int]) -> list[list[int] | Branch]:
         """Branches below the root; ``first_tokens`` are the drafter's depth-1 candidates."""
 
 
 class CachePolicy(Component):
     @abc.abstractmethod
     def drafting_view(self, state: DecodeState) -> KVView | None:
-        """The KV view a drafting forward attends over (None: the full store)."""
+        """The KV view a drafting pass attends over (None: the whole context)."""
+
+    def view_positions(self, context_positions: int) -> int:
+        """Positions of KV the policy keeps in buffers of its own, for a run of
+        ``context_positions`` positions (0: it reads the store in place)."""
+        return 0
 
 
 class Penalty(Component):
@@ -125,13 +173,13 @@ class Penalty(Component):
 
     @abc.abstractmethod
     def apply(self, contexts: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        """contexts: [n, W] long, each node's last W context tokens (committed tokens,
-        then its ancestors, then itself), rows shorter than W padded with a repeat of a
-        token already in the row; scores: [n, vocab]. Returns the penalised scores."""
+        """contexts: [n, W] long, each row the last W tokens of that position's context
+        (W = min(window, context length); committed tokens, then the node's ancestors,
+        then the node itself); scores: [n, vocab]. Returns the penalised scores."""
 
 
 class Verifier(Component):
     @abc.abstractmethod
     def verify(self, tree: DraftTree, scores: NodeScores, sampler: Sampler) -> Verdict:
-        """``scores[node]`` gives a node's processed logits ([vocab]: penalty and warpers
+        """``scores[node]`` gives a node's processed scores ([vocab]: penalty and warpers
         applied with that node's own context), computed on first use."""

@@ -43,3 +43,24 @@ def available_bytes(device: torch.device) -> int | None:
 
 def gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
+
+
+def reset_peak_rss() -> None:
+    """Start a new peak-resident-memory measurement (Linux; no-op elsewhere)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def peak_rss_mib() -> float:
+    """Peak resident memory of this process since start or :func:`reset_peak_rss`, MiB."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

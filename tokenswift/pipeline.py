@@ -1,15 +1,10 @@
-"""The pipeline: one decoding loop, five swappable components.
+"""The pipeline: a model, its five components, and generation.
 
-One step (see DESIGN.md):
-
-1. propose   the drafter (over the cache policy's view) and the retriever give
-             branches; they are merged into one :class:`~tokenswift.tree.DraftTree`;
-2. score     one forward of the tree over the full KV gives every node's logits;
-3. transform penalty and warpers, per node, with that node's own context (on demand:
-             only for the nodes the verifier visits);
-4. verify    the verifier walks the tree: accepted path + bonus token;
-5. commit    the full KV keeps the root and the accepted path;
-6. observe   components and hooks see the new tokens.
+:meth:`Pipeline.start` validates a run and returns a
+:class:`~tokenswift.decoding.Generation`, whose ``steps()`` is the decoding loop (see
+:mod:`tokenswift.decoding`); :meth:`Pipeline.generate` consumes those steps for the
+caller: streaming, checkpoints, plugin hooks and statistics. The design, with the
+data flow of one step, is written down in ``docs/design.md``.
 """
 
 from __future__ import annotations
@@ -18,7 +13,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,92 +22,21 @@ import torch
 
 from tokenswift import distributed
 from tokenswift.checkpoint import Checkpoint
+from tokenswift.decoding import Generation
 from tokenswift.detok import IncrementalDecoder
-from tokenswift.errors import NonFiniteScoresError, SpecError
-from tokenswift.interfaces import BuildContext, DecodeState
+from tokenswift.errors import SpecError
+from tokenswift.interfaces import BuildContext
 from tokenswift.memory import WORKING_SLACK, MemoryEstimate, available_bytes, gib
 from tokenswift.model.loading import load_model
 from tokenswift.model.runner import Runner
 from tokenswift.registry import PluginManager, Registry, build_registry, get_plugin_manager
-from tokenswift.sampling import Sampler
-from tokenswift.scoring import NodeScores
+from tokenswift.scoring import Scorer
 from tokenswift.spec import COMPONENT_KINDS, PipelineSpec, load_toml, merge_overrides
-from tokenswift.tree import RETRIEVER, DraftTree
+from tokenswift.stats import GenerationStats, StatsCollector, StepRecord
 
 logger = logging.getLogger(__name__)
 
-STAGES = ("propose", "score", "verify", "commit")
-
-
-@attrs.frozen(kw_only=True)
-class GenerationStats:
-    """What one generation did and how long it took."""
-
-    prompt_tokens: int
-    new_tokens: int
-    steps: int
-    seconds: float  # prefill + decode
-    prefill_seconds: float
-    proposed_tokens: int  # tree nodes below the root, summed over steps
-    accepted_tokens: int  # proposed tokens that were accepted
-    retrieved_accepted_tokens: int  # of those, the ones from retriever branches
-    draft_depth: int  # sum over steps of the tree depth (the paper's "steps x k")
-    tokens_per_step_histogram: dict[int, int]
-    stage_seconds: dict[str, float]
-    finish_reason: str  # "length", "eos", or "non-finite scores" (stopped, text so far kept)
-
-    @property
-    def decode_seconds(self) -> float:
-        return self.seconds - self.prefill_seconds
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
-
-    @property
-    def decode_tokens_per_second(self) -> float:
-        return self.new_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
-
-    @property
-    def tokens_per_step(self) -> float:
-        return self.new_tokens / self.steps if self.steps else 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Accepted draft tokens / (steps x tree depth), as the paper defines it."""
-        return self.accepted_tokens / self.draft_depth if self.draft_depth else 0.0
-
-    @property
-    def retriever_share(self) -> float:
-        return self.retrieved_accepted_tokens / self.accepted_tokens if self.accepted_tokens else 0.0
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "new_tokens": self.new_tokens,
-            "steps": self.steps,
-            "seconds": round(self.seconds, 3),
-            "tokens_per_second": round(self.tokens_per_second, 2),
-            "decode_tokens_per_second": round(self.decode_tokens_per_second, 2),
-            "tokens_per_step": round(self.tokens_per_step, 3),
-            "acceptance_rate": round(self.acceptance_rate, 3),
-            "retriever_share": round(self.retriever_share, 3),
-            "finish_reason": self.finish_reason,
-        }
-
-
-@attrs.frozen(kw_only=True, eq=False)
-class StepRecord:
-    """One committed step, as observers see it."""
-
-    step: int
-    tree_size: int  # nodes below the root
-    depth: int  # the tree's depth (0: nothing drafted)
-    accepted: int  # drafted tokens accepted
-    emitted: list[int]  # accepted tokens + bonus (cut at max_new_tokens / EOS)
-    generated: int  # new tokens so far, these included
-    seconds: float  # since generation start
-    stage_seconds: dict[str, float] = attrs.field(factory=dict)  # per stage (STAGES), since generation start
+__all__ = ["GenerationResult", "GenerationStats", "Pipeline", "StepRecord", "StreamChunk"]
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -130,37 +54,6 @@ class GenerationResult:
     stats: GenerationStats
     seed: int
     prompt_tokens: list[int]
-
-
-@attrs.define(kw_only=True, eq=False)
-class _Run:
-    """What the decoding loop of one generation works with."""
-
-    state: DecodeState
-    sampler: Sampler
-    eos: set[int]
-    max_new_tokens: int
-    counter: _StatsCounter
-    started: float
-    stream: Callable[[StreamChunk], None] | None
-    decoder: IncrementalDecoder | None
-    save_checkpoint: Callable[[], None] | None
-    checkpoint_every: int
-
-
-class _StatsCounter:
-    def __init__(self) -> None:
-        self.steps = self.proposed = self.accepted = self.retrieved = self.depth = 0
-        self.histogram: dict[int, int] = {}
-        self.stage = dict.fromkeys(STAGES, 0.0)
-
-    def add(self, tree: DraftTree, accepted: list[int], emitted: int) -> None:
-        self.steps += 1
-        self.proposed += len(tree) - 1
-        self.accepted += len(accepted)
-        self.retrieved += sum(1 for i in accepted if tree.sources[i] == RETRIEVER)
-        self.depth += tree.depth
-        self.histogram[emitted] = self.histogram.get(emitted, 0) + 1
 
 
 class Pipeline:
@@ -182,13 +75,14 @@ class Pipeline:
         self.plugin_manager = plugin_manager
         self.runner = Runner(model)
         context = BuildContext(spec=spec, runner=self.runner, tokenizer=tokenizer)
-        # Built in dependency order: a drafter may look at the others through the context.
-        self.penalty = context.penalty = registry.build("penalty", spec.penalty, context)
+        # Built in dependency order: the others score positions with the penalty.
+        self.penalty = registry.build("penalty", spec.penalty, context)
+        self.scorer = context.scorer = Scorer(self.penalty, spec.sampling)
         self.verifier = registry.build("verifier", spec.verifier, context)
         self.cache_policy = registry.build("cache", spec.cache, context)
         self.retriever = registry.build("retriever", spec.retriever, context)
         self.drafter = registry.build("drafter", spec.drafter, context)
-        self._components = (self.penalty, self.verifier, self.cache_policy, self.retriever, self.drafter)
+        self.components = (self.penalty, self.verifier, self.cache_policy, self.retriever, self.drafter)
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{kind}={self.spec.component(kind).name!r}" for kind in COMPONENT_KINDS)
@@ -299,8 +193,7 @@ class Pipeline:
         runner = self.runner
         positions = prompt_tokens + max_new_tokens + self.max_tree_nodes()
         reusable = runner.store is not None and runner.store.capacity >= positions
-        budget = getattr(getattr(self.cache_policy, "options", None), "budget", None)
-        view_positions = budget + 8 if budget is not None and positions > budget else 0
+        view_positions = self.cache_policy.view_positions(positions)
         return MemoryEstimate(
             positions=positions,
             kv_bytes=0 if reusable else runner.kv_bytes(positions),
@@ -322,11 +215,47 @@ class Pipeline:
             )
 
     def max_tree_nodes(self) -> int:
-        return 1 + sum(component.max_tree_nodes for component in self._components)
+        return 1 + sum(component.max_tree_nodes for component in self.components)
+
+    def start(
+        self,
+        prompt: str | list[int] | torch.Tensor | None,
+        max_new_tokens: int,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+        *,
+        resume: Checkpoint | None = None,
+    ) -> Generation:
+        """Validate a run and set it up; nothing is computed until its ``steps()`` are
+        iterated. ``resume`` continues a checkpoint (``prompt``, ``max_new_tokens``,
+        ``seed`` and ``ignore_eos`` then come from it)."""
+        if resume is not None:
+            prompt, max_new_tokens, seed, ignore_eos = (
+                resume.prompt_tokens, resume.max_new_tokens, resume.seed, resume.ignore_eos
+            )
+        prompt_ids = self.check(prompt, max_new_tokens)
+        seed = distributed.broadcast_int(secrets.randbits(63)) if seed is None else int(seed)
+        generator = resume.generator() if resume is not None else torch.Generator(device="cpu").manual_seed(seed)
+        return Generation(
+            self,
+            prompt_ids,
+            max_new_tokens,
+            seed=seed,
+            generator=generator,
+            ignore_eos=ignore_eos,
+            done_tokens=list(resume.tokens) if resume is not None else None,
+            finish_reason=resume.finish_reason if resume is not None and resume.done else None,
+        )
+
+    def steps(
+        self, prompt: str | list[int] | torch.Tensor, max_new_tokens: int, seed: int | None = None, ignore_eos: bool = False
+    ) -> Iterator[StepRecord]:
+        """The decoding loop itself: one :class:`StepRecord` per committed step."""
+        return self.start(prompt, max_new_tokens, seed, ignore_eos).steps()
 
     def generate(
         self,
-        prompt: str | list[int] | torch.Tensor,
+        prompt: str | list[int] | torch.Tensor | None,
         max_new_tokens: int,
         seed: int | None = None,
         ignore_eos: bool = False,
@@ -347,174 +276,62 @@ class Pipeline:
         ``ignore_eos`` then come from it); the result holds all new tokens, the stats
         this run's part.
         """
-        if resume is not None:
-            prompt, max_new_tokens, seed, ignore_eos = (
-                resume.prompt_tokens, resume.max_new_tokens, resume.seed, resume.ignore_eos
-            )
-        prompt_ids = self.check(prompt, max_new_tokens)
         if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every <= 0:
             raise ValueError(f"checkpoint_every must be a positive integer, got {checkpoint_every!r}")
-        seed = distributed.broadcast_int(secrets.randbits(63)) if seed is None else int(seed)
+        run = self.start(prompt, max_new_tokens, seed, ignore_eos, resume=resume)
         if not distributed.is_primary():  # under torchrun, rank 0 alone streams and writes
             stream, checkpoint = None, None
-        done_before = list(resume.tokens) if resume is not None else []
         hook = self.plugin_manager.hook
-        hook.tokenswift_generation_start(pipeline=self, prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens)
+        hook.tokenswift_generation_start(pipeline=self, prompt_ids=list(run.prompt_ids), max_new_tokens=max_new_tokens)
 
-        started = time.perf_counter()
-        runner = self.runner
-        context = list(prompt_ids) + done_before
-        runner.allocate(len(prompt_ids) + max_new_tokens + self.max_tree_nodes())
-        runner.prefill(torch.tensor(context[:-1], dtype=torch.long))
-        prefill_seconds = time.perf_counter() - started
-
-        generator = resume.generator() if resume is not None else torch.Generator(device="cpu").manual_seed(seed)
-        sampler = Sampler(self.spec.sampling, generator)
-        state = DecodeState(tokens=context, prompt_length=len(prompt_ids), runner=runner)
-        for component in self._components:
-            component.start(state)
-        eos = set() if ignore_eos else self.eos_token_ids()
-        decoder = IncrementalDecoder(self.tokenizer) if (stream and self.tokenizer is not None) else None
-        if decoder is not None and done_before:
-            decoder.prime(done_before)  # stream deltas continue the resumed text seamlessly
-        counter = _StatsCounter()
-        finish_reason = "length"
-        if resume is not None and resume.done:
-            finish_reason = resume.finish_reason
-
-        def save_checkpoint(reason: str | None) -> None:
-            Checkpoint(
-                spec=self.spec.to_dict(),
-                prompt_tokens=list(prompt_ids),
-                tokens=state.tokens[len(prompt_ids) :],
-                seed=seed,
-                rng_state=bytes(generator.get_state().tolist()),
-                max_new_tokens=max_new_tokens,
-                ignore_eos=ignore_eos,
-                finish_reason=reason,
-            ).save(checkpoint)
-
-        run = _Run(
-            state=state,
-            sampler=sampler,
-            eos=eos,
-            max_new_tokens=max_new_tokens,
-            counter=counter,
-            started=started,
-            stream=stream,
-            decoder=decoder,
-            save_checkpoint=(lambda: save_checkpoint(None)) if checkpoint is not None else None,
-            checkpoint_every=checkpoint_every,
-        )
-        try:
-            if resume is None or not resume.done:
-                finish_reason = self._decode(run)
-        except KeyboardInterrupt:
-            logger.warning("interrupted after %d new tokens", state.generated)
-            finish_reason = "interrupted"
+        stats = StatsCollector()
+        consumers: list[Callable[[StepRecord], None]] = [stats, lambda record: hook.tokenswift_step_end(pipeline=self, step=record)]
+        if stream is not None:
+            decoder = IncrementalDecoder(self.tokenizer) if self.tokenizer is not None else None
+            if decoder is not None and resume is not None:
+                decoder.prime(list(resume.tokens))  # stream deltas continue the resumed text seamlessly
+            consumers.append(lambda record: stream(
+                StreamChunk(tokens=record.emitted, text=decoder.push(record.emitted) if decoder else None)
+            ))
         if checkpoint is not None:
-            save_checkpoint(finish_reason)
+            consumers.append(_PeriodicCheckpoint(run, checkpoint, checkpoint_every))
+        try:
+            for record in run.steps():
+                for consume in consumers:
+                    consume(record)
+        except KeyboardInterrupt:
+            logger.warning("interrupted after %d new tokens", len(run.new_tokens))
+            run.finish_reason = "interrupted"
+        if checkpoint is not None:
+            run.checkpoint(run.finish_reason).save(checkpoint)
 
-        new_tokens = state.tokens[len(prompt_ids) :]
-        stats = GenerationStats(
-            prompt_tokens=len(prompt_ids),
-            new_tokens=len(new_tokens),
-            steps=counter.steps,
-            seconds=time.perf_counter() - started,
-            prefill_seconds=prefill_seconds,
-            proposed_tokens=counter.proposed,
-            accepted_tokens=counter.accepted,
-            retrieved_accepted_tokens=counter.retrieved,
-            draft_depth=counter.depth,
-            tokens_per_step_histogram=dict(sorted(counter.histogram.items())),
-            stage_seconds=counter.stage,
-            finish_reason=finish_reason,
+        new_tokens = list(run.new_tokens)
+        text = self.tokenizer.decode(new_tokens, skip_special_tokens=True) if self.tokenizer is not None else None
+        result = GenerationResult(
+            tokens=new_tokens,
+            text=text,
+            stats=stats.stats(
+                prompt_tokens=len(run.prompt_ids),
+                new_tokens=len(new_tokens),
+                seconds=time.perf_counter() - run.started,
+                prefill_seconds=run.prefill_seconds,
+                finish_reason=run.finish_reason,
+            ),
+            seed=run.seed,
+            prompt_tokens=run.prompt_ids,
         )
-        text = None
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(new_tokens, skip_special_tokens=True)
-        result = GenerationResult(tokens=new_tokens, text=text, stats=stats, seed=seed, prompt_tokens=prompt_ids)
         hook.tokenswift_generation_end(pipeline=self, result=result)
         return result
 
-    def _decode(self, run: _Run) -> str:
-        """The decoding loop; returns why it stopped ("length", "eos", "non-finite scores")."""
-        runner, hook = self.runner, self.plugin_manager.hook
-        state, sampler, counter, max_new_tokens = run.state, run.sampler, run.counter, run.max_new_tokens
-        finish_reason = "length"
-        next_checkpoint = (state.generated // run.checkpoint_every + 1) * run.checkpoint_every
-        while state.generated < max_new_tokens:
-            clock = time.perf_counter()
-            tree = self._propose(state)
-            now = time.perf_counter()
-            counter.stage["propose"] += now - clock
-            clock = now
 
-            output = runner.forward(
-                tree.token_tensor(), tree_mask=tree.mask(), depths=tree.depth_tensor(), logits_rows=None
-            )
-            scores = NodeScores(
-                tree, output.hidden, runner.lm_head, self.penalty, sampler, state.tokens, runner.logits_dtype
-            )
-            now = time.perf_counter()
-            counter.stage["score"] += now - clock
-            clock = now
+class _PeriodicCheckpoint:
+    """A step consumer that saves the generation's checkpoint every ``every`` new tokens."""
 
-            try:
-                verdict = self.verifier.verify(tree, scores, sampler)
-            except NonFiniteScoresError as exc:
-                # Keep what was generated so far; the caller sees why it stopped.
-                logger.warning("stopping after %d new tokens: %s", state.generated, exc)
-                finish_reason = "non-finite scores"
-                return finish_reason
-            now = time.perf_counter()
-            counter.stage["verify"] += now - clock
-            clock = now
+    def __init__(self, run: Generation, path: str | os.PathLike, every: int) -> None:
+        self.run, self.path, self.every = run, path, every
+        self.next = (len(run.new_tokens) // every + 1) * every
 
-            runner.commit([0, *verdict.accepted])
-            emitted = [tree.tokens[i] for i in verdict.accepted] + [verdict.bonus]
-            emitted = emitted[: max_new_tokens - state.generated]
-            for i, token in enumerate(emitted):
-                if token in run.eos:
-                    emitted = emitted[: i + 1]
-                    finish_reason = "eos"
-                    break
-            state.tokens.extend(emitted)
-            state.step += 1
-            state.last_tree, state.last_output = tree, output
-            state.last_accepted = verdict.accepted[-1] if verdict.accepted else 0
-            for component in self._components:
-                component.observe(state, emitted)
-            counter.add(tree, verdict.accepted[: len(emitted)], len(emitted))
-            counter.stage["commit"] += time.perf_counter() - clock
-
-            hook.tokenswift_step_end(
-                pipeline=self,
-                step=StepRecord(
-                    step=state.step,
-                    tree_size=len(tree) - 1,
-                    depth=tree.depth,
-                    accepted=len(verdict.accepted),
-                    emitted=emitted,
-                    generated=state.generated,
-                    seconds=time.perf_counter() - run.started,
-                    stage_seconds=dict(counter.stage),
-                ),
-            )
-            if run.stream is not None:
-                run.stream(StreamChunk(tokens=emitted, text=run.decoder.push(emitted) if run.decoder else None))
-            if run.save_checkpoint and next_checkpoint <= state.generated < max_new_tokens:
-                run.save_checkpoint()
-                next_checkpoint = (state.generated // run.checkpoint_every + 1) * run.checkpoint_every
-            if finish_reason == "eos":
-                return finish_reason
-
-        return finish_reason
-
-    def _propose(self, state: DecodeState) -> DraftTree:
-        tree = DraftTree.root_only(state.tokens[-1])
-        view = self.cache_policy.drafting_view(state)
-        tree.add_branches(self.drafter.propose(state, view))
-        first_tokens = [tree.tokens[child] for child in tree.children(0).values()]
-        tree.add_branches(self.retriever.retrieve(state, first_tokens), source=RETRIEVER)
-        return tree
+    def __call__(self, record: StepRecord) -> None:
+        if self.next <= record.generated < self.run.max_new_tokens:
+            self.run.checkpoint().save(self.path)
+            self.next = (record.generated // self.every + 1) * self.every

@@ -1,4 +1,4 @@
-"""Sampling: transformers' own warpers, and a draw that uses one uniform per token.
+"""Drawing tokens: argmax, or an inverse-CDF draw with one uniform number per token.
 
 Drawing by inverse CDF with exactly one uniform number per emitted token means a
 speculative run consumes the random stream exactly like autoregressive decoding:
@@ -41,31 +41,19 @@ def build_warpers(spec: SamplingSpec, device=None) -> LogitsProcessorList:
 
 class Sampler:
     """Turns processed scores into tokens: argmax when greedy, else an inverse-CDF draw
-    from ``softmax(scores)`` with one uniform from ``generator``."""
+    from ``softmax(scores)`` with one uniform from ``generator`` (always a CPU
+    generator, so the random stream is the same on every device)."""
 
-    def __init__(self, spec: SamplingSpec, generator: torch.Generator) -> None:
-        self.spec = spec
+    def __init__(self, greedy: bool, generator: torch.Generator) -> None:
+        self.greedy = greedy
         self.generator = generator
-        self._warpers: dict[torch.device, LogitsProcessorList] = {}
-
-    @property
-    def greedy(self) -> bool:
-        return self.spec.greedy
-
-    def warp(self, contexts: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        """scores: [n, vocab] -> warped scores (filtered entries at -inf)."""
-        warpers = self._warpers.get(scores.device)
-        if warpers is None:  # some warpers keep tensors: one set per device of the scores
-            warpers = self._warpers[scores.device] = build_warpers(self.spec, device=scores.device)
-        return warpers(contexts, scores) if len(warpers) else scores
 
     def draw(self, scores: torch.Tensor) -> int:
-        """scores: [vocab] processed logits of one node -> one token id."""
-        if self.spec.greedy:
+        """scores: [vocab] processed scores of one position -> one token id."""
+        if self.greedy:
             return int(scores.argmax())
         probs = torch.softmax(scores.to(torch.float64), dim=-1)
         cdf = probs.cumsum(-1)
-        # The uniform always comes from the CPU generator: the same stream on every device.
         u = torch.rand((), generator=self.generator, dtype=torch.float64).to(cdf.device) * cdf[-1]
         token = int(torch.searchsorted(cdf, u.view(1), right=True))
         token = min(token, scores.numel() - 1)

@@ -1,44 +1,79 @@
-"""Scores of tree nodes, computed on demand.
+"""Scoring a position: the one place where logits become the scores a token is drawn
+from (the penalty with the position's own context, then the sampling warpers).
 
-A verifier walks from the root and visits only the accepted path plus one node, so the
-LM head, the penalty and the warpers run for those few nodes instead of the whole
-tree (for a 100-node tree and a 49K vocabulary, the LM head alone is a large matmul).
-Each node's penalty sees that node's own context: the committed tokens, then its
-ancestors below the root, then itself.
+Verification, the drafters that rank candidates the way verification will, tree
+fitting, the reference decoding loops and the benchmark's baselines all score through
+a :class:`Scorer`, so they cannot drift apart.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
 from tokenswift.errors import NonFiniteScoresError
 from tokenswift.interfaces import Penalty
-from tokenswift.sampling import Sampler
+from tokenswift.sampling import build_warpers
+from tokenswift.spec import SamplingSpec
 from tokenswift.tree import DraftTree
 
 
-class NodeScores:
-    """``scores[node]``: the processed logits ([vocab]) of one tree node, cached."""
+class Scorer:
+    """The pipeline's penalty component followed by the warpers of its sampling spec."""
 
-    def __init__(
-        self,
-        tree: DraftTree,
-        hidden: torch.Tensor,
-        lm_head: torch.nn.Module,
-        penalty: Penalty,
-        sampler: Sampler,
-        committed: list[int],
-        logits_dtype: torch.dtype,
-    ) -> None:
-        # hidden: [n, hidden_size], the verify forward's final-norm hidden states.
+    def __init__(self, penalty: Penalty, sampling: SamplingSpec) -> None:
+        self.penalty = penalty
+        self.sampling = sampling
+        self._warpers: dict[torch.device, object] = {}  # some warpers keep tensors: one set per device
+
+    @property
+    def window(self) -> int:
+        """How many recent tokens the penalty looks at (0: none)."""
+        return self.penalty.window
+
+    def context(self, tokens: Sequence[int], device=None) -> torch.Tensor:
+        """[1, W]: the last W (= :attr:`window`) of ``tokens``, the penalty's view of them."""
+        window = self.window
+        tail = list(tokens[-window:]) if window else []
+        return torch.tensor([tail], dtype=torch.long, device=device)
+
+    def penalize(self, contexts: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """The penalty alone. contexts: [n, W] long; logits: [n, vocab]."""
+        return self.penalty.apply(contexts, logits)
+
+    def warp(self, contexts: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """The sampling warpers alone (filtered entries at -inf). scores: [n, vocab]."""
+        warpers = self._warpers.get(scores.device)
+        if warpers is None:
+            warpers = self._warpers[scores.device] = build_warpers(self.sampling, device=scores.device)
+        return warpers(contexts, scores) if len(warpers) else scores
+
+    def __call__(self, contexts: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Processed scores: [n, vocab] logits, each row with its context's last W
+        tokens ([n, W] long) -> penalty, then warpers."""
+        return self.warp(contexts, self.penalize(contexts, logits))
+
+
+class NodeScores:
+    """``scores[node]``: the processed scores ([vocab]) of one tree node, computed on
+    first use and cached.
+
+    A verifier walks from the root and visits only the accepted path plus one node, so
+    the LM head, the penalty and the warpers run for those few nodes instead of the
+    whole tree (for a 100-node tree and a 49K vocabulary, the LM head alone is a large
+    matmul). Each node's penalty sees that node's own context: the committed tokens,
+    then its ancestors below the root, then itself.
+    """
+
+    def __init__(self, tree: DraftTree, hidden: torch.Tensor, runner, scorer: Scorer, committed: Sequence[int]) -> None:
+        # hidden: [len(tree), hidden_size], the verify forward's final-norm hidden states.
         self.tree = tree
         self.hidden = hidden
-        self.lm_head = lm_head
-        self.penalty = penalty
-        self.sampler = sampler
-        self.logits_dtype = logits_dtype
-        window = penalty.window
-        self._tail = committed[-window:] if window else []
+        self.runner = runner
+        self.scorer = scorer
+        window = scorer.window
+        self._tail = list(committed[-window:]) if window else []
         self._cache: dict[int, torch.Tensor] = {}
 
     def __len__(self) -> int:
@@ -46,19 +81,14 @@ class NodeScores:
 
     def context(self, node: int) -> torch.Tensor:
         """[1, W]: the last W tokens this node's penalty sees."""
-        window = self.penalty.window
-        if window == 0:
-            return torch.empty(1, 0, dtype=torch.long, device=self.hidden.device)
-        tokens = (self._tail + self.tree.path_tokens(node))[-window:]
-        return torch.tensor([tokens], dtype=torch.long, device=self.hidden.device)
+        return self.scorer.context(self._tail + self.tree.path_tokens(node), device=self.hidden.device)
 
     def __getitem__(self, node: int) -> torch.Tensor:
         scores = self._cache.get(node)
         if scores is None:
             with torch.inference_mode():
-                logits = self.lm_head(self.hidden[node : node + 1]).to(self.logits_dtype)  # [1, vocab]
-                context = self.context(node)
-                scores = self.sampler.warp(context, self.penalty.apply(context, logits))[0]
+                logits = self.runner.logits(self.hidden[node : node + 1])  # [1, vocab]
+                scores = self.scorer(self.context(node), logits)[0]
                 broken = torch.isnan(scores).any() or torch.isposinf(scores).any() or torch.isneginf(scores).all()
             if broken:
                 raise NonFiniteScoresError(

@@ -12,10 +12,12 @@ from __future__ import annotations
 import functools
 
 import torch
-from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from tokenswift.model.loading import tiny_model
+from tokenswift.penalties.contextual import ContextualPenalty
+from tokenswift.penalties.none import NoPenalty
 from tokenswift.sampling import Sampler
+from tokenswift.scoring import Scorer
 from tokenswift.spec import SamplingSpec
 
 # Random models with the default init have nearly flat logits (argmax near-ties); a
@@ -74,6 +76,21 @@ def looping_model(name: str = "llama-mha", dtype: str = "float64", seed: int = 0
 
 
 @torch.inference_mode()
+def reference_tokens(model: torch.nn.Module, prompt: list[int], max_new_tokens: int, scorer: Scorer, *, greedy: bool, seed: int) -> list[int]:
+    """Plain autoregressive decoding that recomputes the whole sequence every step (no
+    KV store, no tree, no drafts), scoring each position with ``scorer`` and drawing
+    as the pipeline does. EOS is ignored. This is what every pipeline must emit."""
+    sampler = Sampler(greedy, torch.Generator(device="cpu").manual_seed(seed))
+    param = next(model.parameters())
+    dtype = torch.float64 if param.dtype == torch.float64 else torch.float32
+    tokens = list(prompt)
+    for _ in range(max_new_tokens):
+        logits = model(torch.tensor([tokens], device=param.device)).logits[:, -1].to(dtype)
+        scores = scorer(scorer.context(tokens, device=param.device), logits)
+        tokens.append(sampler.draw(scores[0]))
+    return tokens[len(prompt) :]
+
+
 def reference_generate(
     model: torch.nn.Module,
     prompt: list[int],
@@ -83,41 +100,13 @@ def reference_generate(
     penalty: tuple[float, int] | None = None,
     seed: int = 0,
 ) -> list[int]:
-    """Plain autoregressive decoding that recomputes the whole sequence every step
-    (no cache, no tree), with the windowed repetition penalty ``(value, window)`` and
-    the same warpers and random draws as the pipeline. EOS is ignored."""
-    sampler = Sampler(sampling, torch.Generator(device="cpu").manual_seed(seed))
-    penalise = RepetitionPenaltyLogitsProcessor(penalty[0]) if penalty and penalty[1] > 0 else None
-    tokens = list(prompt)
-    param = next(model.parameters())
-    dtype = torch.float64 if param.dtype == torch.float64 else torch.float32
-    for _ in range(max_new_tokens):
-        ids = torch.tensor([tokens], device=param.device)
-        scores = model(ids).logits[:, -1].to(dtype)
-        context = torch.tensor([tokens[-penalty[1] :]], device=param.device) if penalise else ids
-        if penalise:
-            scores = penalise(context, scores)
-        scores = sampler.warp(context, scores)
-        tokens.append(sampler.draw(scores[0]))
-    return tokens[len(prompt) :]
-
-
-@torch.inference_mode()
-def reference_tokens(pipe, prompt: list[int], max_new_tokens: int, seed: int) -> list[int]:
-    """What plain autoregressive decoding emits with ``pipe``'s own model, penalty and
-    sampling settings: the whole sequence recomputed every step, no KV store, no tree,
-    no drafts. EOS is ignored."""
-    model, penalty = pipe.model, pipe.penalty
-    sampler = Sampler(pipe.spec.sampling, torch.Generator(device="cpu").manual_seed(seed))
-    dtype, device = pipe.runner.logits_dtype, pipe.runner.device
-    tokens = list(prompt)
-    for _ in range(max_new_tokens):
-        scores = model(torch.tensor([tokens], device=device)).logits[:, -1].to(dtype)
-        window = penalty.window
-        context = torch.tensor([tokens[-window:] if window else []], dtype=torch.long, device=device)
-        scores = sampler.warp(context, penalty.apply(context, scores))
-        tokens.append(sampler.draw(scores[0]))
-    return tokens[len(prompt) :]
+    """:func:`reference_tokens` with the contextual penalty ``(value, window)`` (or
+    none) and the warpers of ``sampling``."""
+    if penalty is None:
+        component = NoPenalty(NoPenalty.Options(), None)
+    else:
+        component = ContextualPenalty(ContextualPenalty.Options(value=penalty[0], window=penalty[1]), None)
+    return reference_tokens(model, prompt, max_new_tokens, Scorer(component, sampling), greedy=sampling.greedy, seed=seed)
 
 
 def assert_lossless(pipe, prompt: list[int], max_new_tokens: int, seed: int = 0):
@@ -125,7 +114,7 @@ def assert_lossless(pipe, prompt: list[int], max_new_tokens: int, seed: int = 0)
     (greedy: the identical sequence; sampling: the identical draws, since the pipeline
     draws exactly one uniform per emitted token, in order). Returns the result."""
     result = pipe.generate(prompt, max_new_tokens, seed=seed, ignore_eos=True)
-    expected = reference_tokens(pipe, prompt, max_new_tokens, seed)
+    expected = reference_tokens(pipe.model, prompt, max_new_tokens, pipe.scorer, greedy=pipe.spec.sampling.greedy, seed=seed)
     if result.tokens != expected:
         first = next(i for i, (a, b) in enumerate(zip(result.tokens, expected)) if a != b)
         raise AssertionError(

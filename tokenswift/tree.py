@@ -4,6 +4,10 @@ Node 0 is the root: the last committed token, whose KV is not stored yet. Every 
 node is a proposed token; its parent is the node before it on its branch. Branches
 from the drafter and the retriever are merged into one trie, so the children of a
 node carry distinct tokens and the path that matches a sampled sequence is unique.
+
+Each node also carries a *confidence*: the proposer's estimate of the chance that the
+node is accepted once its parent is (None where the proposer gave none). Confidences
+only steer which nodes are worth verifying; they never change what is accepted.
 """
 
 from __future__ import annotations
@@ -15,17 +19,28 @@ import torch
 
 DRAFTER = 0
 RETRIEVER = 1
+SOURCE_NAMES = {DRAFTER: "drafter", RETRIEVER: "retriever"}
+
+
+@attrs.frozen
+class Branch:
+    """A token sequence below the root, with an optional confidence per token (the
+    chance it is accepted given that the tokens before it are)."""
+
+    tokens: Sequence[int]
+    confidence: Sequence[float] | None = None
 
 
 @attrs.define(eq=False, repr=False)
 class DraftTree:
-    """tokens[i], parents[i] (-1 for the root), depths[i] (0 for the root) and
-    sources[i] (DRAFTER or RETRIEVER; the first branch to add a node owns it)."""
+    """tokens[i], parents[i] (-1 for the root), depths[i] (0 for the root), sources[i]
+    (DRAFTER or RETRIEVER; the first branch to add a node owns it) and confidence[i]."""
 
     tokens: list[int]
     parents: list[int]
     depths: list[int]
     sources: list[int]
+    confidence: list[float | None]
     _children: list[dict[int, int]] = attrs.field(factory=list)
 
     def __repr__(self) -> str:
@@ -33,10 +48,10 @@ class DraftTree:
 
     @classmethod
     def root_only(cls, root_token: int) -> DraftTree:
-        return cls(tokens=[int(root_token)], parents=[-1], depths=[0], sources=[DRAFTER], children=[{}])
+        return cls(tokens=[int(root_token)], parents=[-1], depths=[0], sources=[DRAFTER], confidence=[1.0], children=[{}])
 
     @classmethod
-    def from_branches(cls, root_token: int, branches: Iterable[Sequence[int]], source: int = DRAFTER) -> DraftTree:
+    def from_branches(cls, root_token: int, branches: Iterable, source: int = DRAFTER) -> DraftTree:
         tree = cls.root_only(root_token)
         tree.add_branches(branches, source)
         return tree
@@ -52,11 +67,18 @@ class DraftTree:
         """token -> child node index."""
         return self._children[node]
 
-    def add_branch(self, branch: Sequence[int], source: int = DRAFTER, parent: int = 0) -> int:
-        """Add a token sequence below ``parent``, reusing existing nodes; return its last node."""
+    def add_branch(self, branch, source: int = DRAFTER, parent: int = 0) -> int:
+        """Add a branch (a token sequence or a :class:`Branch`) below ``parent``, reusing
+        existing nodes; return its last node. A node reached again keeps the larger
+        confidence."""
+        if isinstance(branch, Branch):
+            tokens, confidence = branch.tokens, branch.confidence
+        else:
+            tokens, confidence = branch, None
         node = parent
-        for token in branch:
+        for i, token in enumerate(tokens):
             token = int(token)
+            value = None if confidence is None else float(confidence[i])
             child = self._children[node].get(token)
             if child is None:
                 child = len(self.tokens)
@@ -64,12 +86,15 @@ class DraftTree:
                 self.parents.append(node)
                 self.depths.append(self.depths[node] + 1)
                 self.sources.append(source)
+                self.confidence.append(value)
                 self._children.append({})
                 self._children[node][token] = child
+            elif value is not None and (self.confidence[child] is None or value > self.confidence[child]):
+                self.confidence[child] = value
             node = child
         return node
 
-    def add_branches(self, branches: Iterable[Sequence[int]], source: int = DRAFTER) -> None:
+    def add_branches(self, branches: Iterable, source: int = DRAFTER) -> None:
         for branch in branches:
             self.add_branch(branch, source)
 
@@ -90,6 +115,24 @@ class DraftTree:
     def paths(self) -> list[list[int]]:
         """Root-to-leaf paths (node indices, root excluded)."""
         return [self.path(leaf) for leaf in self.leaves()]
+
+    def subtree(self, keep: Sequence[int]) -> DraftTree:
+        """A new tree of the nodes ``keep`` (node indices; the root and every kept
+        node's parent must be kept too), in the order given."""
+        index = {old: new for new, old in enumerate(keep)}
+        if keep[0] != 0 or any(self.parents[old] not in index for old in keep[1:]):
+            raise ValueError("a subtree must start at the root and keep every kept node's parent")
+        tree = DraftTree.root_only(self.tokens[0])
+        for old in keep[1:]:
+            parent = index[self.parents[old]]
+            tree.tokens.append(self.tokens[old])
+            tree.parents.append(parent)
+            tree.depths.append(self.depths[old])
+            tree.sources.append(self.sources[old])
+            tree.confidence.append(self.confidence[old])
+            tree._children.append({})
+            tree._children[parent][self.tokens[old]] = len(tree.tokens) - 1
+        return tree
 
     def mask(self, device=None) -> torch.Tensor:
         """[n, n] bool: row i is True at i and at its ancestors."""

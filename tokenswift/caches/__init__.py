@@ -1,1 +1,2 @@
-"""Cache policies: which KV positions drafting forwards attend over."""
+"""Cache policies: which KV positions a drafting pass attends over (verification
+always reads the whole context). The spec section is ``[cache]``."""

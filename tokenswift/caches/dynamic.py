@@ -10,28 +10,26 @@ from __future__ import annotations
 
 import torch
 
-from tokenswift.caches.refreshing import RefreshingCache
-from tokenswift.model.attention import ScoreRecorder
+from tokenswift.caches.refreshing import RefreshingPolicy
 from tokenswift.model.kv import FullView
 
 
-def importance_scores(runner, root_token: int) -> torch.Tensor:
+def position_importance(runner, root_token: int) -> torch.Tensor:
     """[layers, kv_heads, L]: attention of ``root_token`` (at position L) over the
     committed positions, summed over each KV group's query heads."""
     store = runner.store
-    recorder = ScoreRecorder()
-    runner.forward(torch.tensor([root_token]), view=FullView(store), logits_rows=None, recorder=recorder)
-    return torch.stack([recorder.scores[layer][:, : store.length] for layer in range(store.num_layers)])
+    out = runner.forward(torch.tensor([root_token]), view=FullView(store), logits_rows=None, record_attention=True)
+    return torch.stack([out.attention[layer][:, : store.length] for layer in range(store.num_layers)])
 
 
-class DynamicCache(RefreshingCache):
+class DynamicPolicy(RefreshingPolicy):
     """Sinks + the most attended positions per layer and KV head + a recent window."""
 
     def select(self, state, length):
         sink = self.sink_positions(length)
         keep = self.selection_size - sink.numel()
-        scores = importance_scores(state.runner, state.tokens[-1])[:, :, sink.numel() :]  # [layers, heads, L - sink]
-        top = scores.topk(keep, dim=-1).indices.sort(dim=-1).values + sink.numel()
+        importance = position_importance(self.context.runner, state.tokens[-1])[:, :, sink.numel() :]  # [layers, heads, L - sink]
+        top = importance.topk(keep, dim=-1).indices.sort(dim=-1).values + sink.numel()
         layers, heads, _ = top.shape
         sink = sink.to(top.device)
         return torch.cat([sink.view(1, 1, -1).expand(layers, heads, -1), top], dim=-1)

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from tokenswift.interfaces import CachePolicy
-from tokenswift.model.kv import FullView
 
 
-class FullCache(CachePolicy):
+class FullPolicy(CachePolicy):
     """Draft over every committed position, read in place."""
 
     def drafting_view(self, state):
-        return FullView(state.runner.store)
+        return None

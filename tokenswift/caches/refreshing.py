@@ -17,8 +17,8 @@ import torch
 
 from tokenswift.errors import SpecError
 from tokenswift.interfaces import CachePolicy
-from tokenswift.model.kv import CompactView, FullView
-from tokenswift.options import int_at_least
+from tokenswift.model.kv import CompactView
+from tokenswift.validation import int_at_least
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +40,9 @@ class RefreshingOptions:
         return self.recent if self.recent is not None else max(1, self.budget // 4)
 
 
-class RefreshingCache(CachePolicy):
+class RefreshingPolicy(CachePolicy):
     Options = RefreshingOptions
+    scratch = 1  # new-token room in the view's buffers: the root pass forwards one token
 
     def __init__(self, options, context) -> None:
         super().__init__(options, context)
@@ -56,14 +57,17 @@ class RefreshingCache(CachePolicy):
     def selection_size(self) -> int:
         return self.options.budget - self.options.recent_size
 
+    def view_positions(self, context_positions: int) -> int:
+        return self.options.budget + self.scratch if context_positions > self.options.budget else 0
+
     def drafting_view(self, state):
-        store = state.runner.store
+        store = self.context.runner.store
         length = store.length
         if length <= self.options.budget:
-            return FullView(store)
+            return None  # the whole context fits the budget
         if self.view is None or self.view.size + (length - self.covered) > self.options.budget:
             if self.view is None:
-                self.view = CompactView(store, self.options.budget)
+                self.view = CompactView(store, self.options.budget, scratch=self.scratch)
             self.view.load(store, self.select(state, length))
             self.refreshes += 1
             logger.debug("drafting cache refreshed at %d committed positions", length)

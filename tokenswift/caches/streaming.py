@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from tokenswift.caches.refreshing import RefreshingCache
+from tokenswift.caches.refreshing import RefreshingPolicy
 
 
-class StreamingCache(RefreshingCache):
+class StreamingPolicy(RefreshingPolicy):
     """Sink positions plus a window of the most recent ones."""
 
     def select(self, state, length):

@@ -1,18 +1,18 @@
-"""The ``medusa`` drafter: heads on the hidden state the verify pass already produced.
+"""The ``medusa`` drafter: heads on the hidden state the previous forward produced.
 
-The last verify forward computed the hidden state of the node whose logits gave the
-bonus token (the new root); the heads applied to it predict the tokens after the
-root (head 1 -> depth 1, ...). No extra forward; the first step drafts nothing.
+The previous forward (a verify pass, or the prompt's prefill) computed the hidden
+state of the position whose logits gave the root token; the heads applied to it
+predict the tokens after the root (head 1 -> depth 1, ...). No extra forward.
 """
 
 from __future__ import annotations
 
 from tokenswift.drafters import template
-from tokenswift.drafters.head_drafter import HeadDrafter
+from tokenswift.drafters.head_based import HeadDrafter
 
 
 class MedusaDrafter(HeadDrafter):
-    """Heads on the previous verify pass's hidden state (no extra forward)."""
+    """Heads on the previous forward's hidden state (no extra forward)."""
 
     name = "medusa"
     default_tree = [3, 3, 3]
@@ -21,8 +21,7 @@ class MedusaDrafter(HeadDrafter):
     def max_depth(self) -> int:
         return self.heads.num_heads
 
-    def propose(self, state, view):
-        if state.last_output is None:
+    def propose(self, state, inputs):
+        if inputs.parent_hidden is None:
             return []
-        hidden = state.last_output.hidden[state.last_accepted]
-        return template.branches(self.paths, self._ranked(self._head_logits(hidden)))
+        return template.branches(self.paths, self._ranked(self._head_logits(inputs.parent_hidden)))

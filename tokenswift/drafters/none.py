@@ -8,5 +8,5 @@ from tokenswift.interfaces import Drafter
 class NoDrafter(Drafter):
     """Proposes nothing."""
 
-    def propose(self, state, view):
+    def propose(self, state, inputs):
         return []

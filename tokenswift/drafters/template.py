@@ -1,4 +1,5 @@
-"""Tree templates: which top-k candidates of each depth form the draft tree.
+"""Tree templates: which top-k candidates of each depth form the draft tree, and the
+``tree.json`` files that keep a template fitted for a set of heads.
 
 A template is either a list of widths per depth (``[1, 3, 3, 3]``: the top-1 at depth
 1, under it the top-3 of depth 2, under each of those the top-3 of depth 3, ... i.e.
@@ -9,7 +10,9 @@ a path of top-k ranks from depth 1 down; missing prefixes are implied).
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Sequence
+from pathlib import Path
 
 from tokenswift.errors import SpecError
 
@@ -57,3 +60,35 @@ def branches(paths: list[tuple[int, ...]], candidates: list[list[int]]) -> list[
     inner = {path[:-1] for path in paths}
     leaves = [path for path in paths if path not in inner]
     return [[candidates[d][rank] for d, rank in enumerate(path)] for path in leaves]
+
+
+# -- tree files: a template saved beside the heads it was fitted for -----------------
+
+TREE_NAME = "tree.json"
+TREE_FORMAT = "tokenswift-tree/1"
+
+
+def save_tree(directory, drafter: str, paths: Sequence[Sequence[int]], record: dict) -> Path:
+    """Write ``tree.json`` (index paths + the fit's record) in ``directory``; returns its path."""
+    path = Path(directory) / TREE_NAME
+    data = {"format": TREE_FORMAT, "drafter": drafter, "paths": [list(p) for p in paths], **record}
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def load_tree(directory, drafter: str) -> list[list[int]] | None:
+    """The tree saved in ``directory`` for ``drafter``, if any (index paths)."""
+    path = Path(directory) / TREE_NAME
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SpecError(f"cannot read the fitted tree {path}: {exc}") from None
+    if data.get("format") != TREE_FORMAT or not isinstance(data.get("paths"), list):
+        raise SpecError(f"{path} is not a {TREE_FORMAT} file (format {data.get('format')!r})")
+    if data.get("drafter") != drafter:
+        return None
+    return data["paths"]

@@ -1,8 +1,9 @@
-"""The ``tokenswift`` drafter: one extra forward of the root over the drafting view.
+"""The ``tokenswift`` drafter: heads over a pass of the root on the drafting view.
 
-The root (the last committed token, which has no KV yet) is forwarded over the cache
-policy's view (a partial KV cache for ``dynamic``); the LM head on its hidden state
-gives depth 1, the heads give depths 2..k+1. Nothing is written into the full KV.
+The pipeline forwards the root (the last committed token, which has no KV yet) over
+the cache policy's drafting view (a partial KV cache for ``dynamic``) and hands the
+result over; the LM head on the root's hidden state gives depth 1, the heads give
+depths 2..k+1. Nothing is written into the committed KV.
 
 With ``penalize`` (the default) the depth-1 candidates are ranked after the
 pipeline's penalty on the committed context, i.e. by the scores verification draws
@@ -19,9 +20,8 @@ import attrs
 import torch
 
 from tokenswift.drafters import template
-from tokenswift.drafters.head_drafter import HeadDrafter
-from tokenswift.model.kv import FullView
-from tokenswift.options import boolean
+from tokenswift.drafters.head_based import HeadDrafter
+from tokenswift.validation import boolean
 
 
 class TokenSwiftDrafter(HeadDrafter):
@@ -29,26 +29,20 @@ class TokenSwiftDrafter(HeadDrafter):
 
     name = "tokenswift"
     default_tree = [1, 3, 3, 3]
+    needs_root_pass = True
 
     @attrs.frozen(kw_only=True)
     class Options(HeadDrafter.Options):
         penalize: bool = attrs.field(default=True, converter=boolean("drafter.penalize"))
 
-    def __init__(self, options, context) -> None:
-        super().__init__(options, context)
-        penalty = context.penalty
-        self.penalty = penalty if options.penalize and penalty is not None and penalty.window else None
-
     @property
     def max_depth(self) -> int:
         return self.heads.num_heads + 1
 
-    def propose(self, state, view):
-        root = torch.tensor([state.tokens[-1]])
-        out = self.runner.forward(root, view=view if view is not None else FullView(self.runner.store))
-        first = out.logits  # [1, vocab]: the LM head on the root, depth 1
-        if self.penalty is not None:
-            context = torch.tensor([state.tokens[-self.penalty.window :]], device=first.device)
-            first = self.penalty.apply(context, first)
-        logits = torch.cat([first, self._head_logits(out.hidden[0]).to(first.dtype)])
+    def propose(self, state, inputs):
+        first = inputs.root.logits  # [1, vocab]: the LM head on the root, depth 1
+        scorer = self.context.scorer
+        if self.options.penalize and scorer.window:
+            first = scorer.penalize(scorer.context(state.tokens, device=first.device), first)
+        logits = torch.cat([first, self._head_logits(inputs.root.hidden[0]).to(first.dtype)])
         return template.branches(self.paths, self._ranked(logits))

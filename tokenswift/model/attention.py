@@ -2,10 +2,11 @@
 
 It runs SDPA with grouped KV heads folded into the query dimension (no copies of the
 cache, no slow ``enable_gqa`` kernel), falling back to transformers' own SDPA path for
-anything unusual, plus one optional extra: when the forward is called with a
-:class:`ScoreRecorder` as ``tokenswift_scores``, it records the attention
-probabilities of the last query over every key, summed over the query heads of each
-KV group. The dynamic cache policy ranks positions by these scores.
+anything unusual. What else a forward asks for comes in the one ``tokenswift_plan``
+keyword argument (a :class:`~tokenswift.model.hf_cache.ForwardPlan`): ``dense`` (one
+query: no mask needed) and an optional :class:`AttentionRecorder`, which keeps the
+last query's attention probabilities over every key, summed over the query heads of
+each KV group (the dynamic cache policy ranks positions by them).
 
 Registered under the name ``"tokenswift"`` in both ``AttentionInterface`` and
 ``AttentionMaskInterface`` (a custom attention name without a mask function silently
@@ -20,20 +21,22 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from tokenswift.model.hf_cache import PLAN_KWARG
+
 ATTENTION_NAME = "tokenswift"
 
 
-class ScoreRecorder:
+class AttentionRecorder:
     """Collects, per layer, the last query's attention probabilities per KV head.
 
-    After a forward, ``scores[layer_idx]`` is a float32 tensor ``[kv_heads, K]``, K the
-    number of keys that query attended over (view or full store, plus new tokens).
+    After a forward, ``probabilities[layer]`` is a float32 tensor ``[kv_heads, K]``, K
+    the number of keys that query attended over (view or full store, plus new tokens).
     """
 
     def __init__(self) -> None:
-        self.scores: dict[int, torch.Tensor] = {}
+        self.probabilities: dict[int, torch.Tensor] = {}
 
-    def record(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, mask, scaling: float) -> None:
+    def record(self, layer: int, query: torch.Tensor, key: torch.Tensor, mask, scaling: float) -> None:
         # query: [1, q_heads, n, D]; key: [1, kv_heads, K, D]; mask: [1, 1, n, K] bool or None
         q_heads, kv_heads = query.shape[1], key.shape[1]
         last_query = query[0, :, -1:, :].float()  # [q_heads, 1, D]
@@ -42,7 +45,7 @@ class ScoreRecorder:
         if mask is not None:
             logits = logits.masked_fill(~mask[0, 0, -1].bool(), float("-inf"))
         probs = logits.softmax(dim=-1)
-        self.scores[layer_idx] = probs.view(kv_heads, q_heads // kv_heads, -1).sum(dim=1)
+        self.probabilities[layer] = probs.view(kv_heads, q_heads // kv_heads, -1).sum(dim=1)
 
 
 def grouped_attention(query, key, value, mask, scaling: float) -> torch.Tensor:
@@ -66,12 +69,13 @@ def grouped_attention(query, key, value, mask, scaling: float) -> torch.Tensor:
 
 def tokenswift_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """The attention function registered as ``"tokenswift"`` (see the module docstring)."""
-    recorder = kwargs.pop("tokenswift_scores", None)
+    plan = kwargs.pop(PLAN_KWARG, None)
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if recorder is not None:
-        recorder.record(module.layer_idx, query, key, attention_mask, scaling)
-    if kwargs.pop("tokenswift_dense", False):
-        attention_mask = None  # every query sees every key
+    if plan is not None:
+        if plan.recorder is not None:
+            plan.recorder.record(module.layer_idx, query, key, attention_mask, scaling)
+        if plan.dense:
+            attention_mask = None  # every query sees every key
     unsupported = dropout or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None
     # No mask on a multi-token step means "causal" to transformers (its own forwards
     # outside the runner): leave that, and any other unusual case, to its SDPA path.

@@ -1,16 +1,21 @@
-"""Preallocated KV storage and its adapter to transformers' public Cache API.
+"""Preallocated KV storage and the views forwards attend over. Every write of keys and
+values happens in this module.
 
 The runner owns one :class:`KVStore` per generation: per layer, a key and a value
 buffer of shape ``[1, kv_heads, capacity, head_dim]`` allocated once. Positions
 ``[0, length)`` hold the committed context; positions ``[length, length + n)`` are the
-staging area that a forward over the full store writes its new tokens into, until
+staging area that a verify forward writes its new tokens into, until
 :meth:`KVStore.commit` keeps a chosen subset of them.
 
-Transformers' attention modules call ``cache.update(k, v, layer_idx)`` with keys that
-are already RoPE-rotated and expect the keys/values to attend over in return. The
-:class:`StoreCache` answers according to the *plan* the runner set for the current
-forward: either the full store (new tokens written into staging) or a caller-chosen
-:class:`KVView` with the new tokens appended (nothing written into the store).
+A forward attends over a :class:`KVView` of the committed positions with its own new
+tokens appended; the view decides where those new tokens' keys and values go:
+
+* :class:`Staging` — every committed position; new tokens are *staged* (a verify forward);
+* :class:`FullView` — every committed position; new tokens go to the staging area as
+  scratch, nothing is staged (a drafting forward over the whole context);
+* :class:`IndexView` — chosen positions, gathered; new tokens appended to a copy;
+* :class:`CompactView` — chosen positions kept in the view's own buffers, with scratch
+  room for the new tokens (the dynamic and streaming cache policies).
 """
 
 from __future__ import annotations
@@ -19,7 +24,6 @@ import abc
 
 import attrs
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
 
 
 class KVStore:
@@ -40,7 +44,7 @@ class KVStore:
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.capacity = capacity
         self.length = 0  # committed positions
-        self.staged = 0  # tokens written after `length` by the latest full forward
+        self.staged = 0  # tokens a verify forward wrote after `length`, not yet committed
 
     @property
     def num_layers(self) -> int:
@@ -61,6 +65,20 @@ class KVStore:
         self.length = 0
         self.staged = 0
 
+    def write(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> int:
+        """Write ``keys``/``values`` ([1, kv_heads, n, head_dim]) at positions
+        ``[start, start + n)`` of one layer; returns ``start + n``."""
+        end = start + keys.shape[2]
+        if end > self.capacity:
+            raise RuntimeError(f"KV store overflow: {end} positions needed, capacity {self.capacity}")
+        self.keys[layer][:, :, start:end] = keys
+        self.values[layer][:, :, start:end] = values
+        return end
+
+    def prefix(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions ``[0, end)`` of one layer, read in place (no copy)."""
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
     def commit(self, kept: torch.Tensor) -> None:
         """Keep staged positions ``kept`` (indices into staging, ascending) as committed.
 
@@ -73,7 +91,7 @@ class KVStore:
             if int(kept.max()) >= self.staged or int(kept.min()) < 0:
                 raise ValueError(
                     f"commit: kept positions {kept.tolist()} must lie in [0, {self.staged}), "
-                    "the tokens staged by the latest full forward"
+                    "the tokens staged by the latest verify forward"
                 )
             if not bool((kept[1:] > kept[:-1]).all()):
                 raise ValueError(f"commit: kept positions must be strictly ascending, got {kept.tolist()}")
@@ -94,22 +112,65 @@ class KVStore:
 
 
 class KVView(abc.ABC):
-    """A subset of the committed KV that a drafting forward attends over."""
-
-    @abc.abstractmethod
-    def layer_kv(self, store: KVStore, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[1, kv_heads, S, head_dim]`` of this view for one layer."""
+    """The committed positions a forward attends over, and where its new tokens go."""
 
     @property
     @abc.abstractmethod
     def size(self) -> int:
-        """S, the number of positions each KV head sees."""
+        """S, the number of committed positions each KV head sees."""
 
-    def join(self, store: KVStore, layer_idx: int, keys: torch.Tensor, values: torch.Tensor):
-        """The view's keys/values with the new tokens' ``keys``/``values`` appended
-        ([1, kv_heads, S + n, head_dim]). Never writes into committed positions."""
-        view_keys, view_values = self.layer_kv(store, layer_idx)
-        return torch.cat([view_keys, keys], dim=2), torch.cat([view_values, values], dim=2)
+    @abc.abstractmethod
+    def join(self, store: KVStore, layer: int, keys: torch.Tensor, values: torch.Tensor):
+        """The view's keys/values with the new tokens' ``keys``/``values``
+        ([1, kv_heads, n, head_dim]) appended: [1, kv_heads, S + n, head_dim].
+        Never writes into committed positions."""
+
+    def finish(self, store: KVStore, new_tokens: int) -> None:
+        """Called once after the forward (all layers joined)."""
+
+
+class Staging(KVView):
+    """Every committed position; the new tokens are staged for :meth:`KVStore.commit`
+    (a verify forward)."""
+
+    def __init__(self, store: KVStore) -> None:
+        self._length = store.length
+
+    def __repr__(self) -> str:
+        return f"Staging(length={self._length})"
+
+    @property
+    def size(self) -> int:
+        return self._length
+
+    def join(self, store, layer, keys, values):
+        end = store.write(layer, self._length, keys, values)
+        return store.prefix(layer, end)
+
+    def finish(self, store, new_tokens):
+        store.staged = new_tokens
+
+
+class FullView(KVView):
+    """Every committed position, read in place; the new tokens use the staging area as
+    scratch (overwritten by the next forward) and nothing is staged (a drafting forward)."""
+
+    def __init__(self, store: KVStore) -> None:
+        self._length = store.length
+
+    def __repr__(self) -> str:
+        return f"FullView(length={self._length})"
+
+    @property
+    def size(self) -> int:
+        return self._length
+
+    def join(self, store, layer, keys, values):
+        if self._length + keys.shape[2] > store.capacity:  # no scratch room left: copy
+            old_keys, old_values = store.prefix(layer, self._length)
+            return torch.cat([old_keys, keys], dim=2), torch.cat([old_values, values], dim=2)
+        end = store.write(layer, self._length, keys, values)
+        return store.prefix(layer, end)
 
 
 @attrs.define(eq=False, repr=False)
@@ -129,47 +190,26 @@ class IndexView(KVView):
     def size(self) -> int:
         return int(self.indices.shape[-1])
 
-    def layer_kv(self, store: KVStore, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = store.keys[layer_idx], store.values[layer_idx]
+    def gather(self, store: KVStore, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The viewed keys and values of one layer: [1, kv_heads, S, head_dim] each (copies)."""
+        keys, values = store.keys[layer], store.values[layer]
         if self.indices.dim() == 1:
             return keys.index_select(2, self.indices), values.index_select(2, self.indices)
-        index = self.indices[layer_idx][None, :, :, None].expand(1, -1, -1, store.head_dim)
+        index = self.indices[layer][None, :, :, None].expand(1, -1, -1, store.head_dim)
         return keys.gather(2, index), values.gather(2, index)
 
-
-class FullView(KVView):
-    """Every committed position, read in place (no copy); nothing is written."""
-
-    def __init__(self, store: KVStore) -> None:
-        self._length = store.length
-
-    def __repr__(self) -> str:
-        return f"FullView(length={self._length})"
-
-    @property
-    def size(self) -> int:
-        return self._length
-
-    def layer_kv(self, store: KVStore, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return store.keys[layer_idx][:, :, : self._length], store.values[layer_idx][:, :, : self._length]
-
-    def join(self, store: KVStore, layer_idx: int, keys: torch.Tensor, values: torch.Tensor):
-        # The new tokens go into staging (uncommitted, overwritten by the next full
-        # forward): a slice is returned instead of a copy of the whole context.
-        end = self._length + keys.shape[2]
-        if end > store.capacity:
-            return super().join(store, layer_idx, keys, values)
-        store.keys[layer_idx][:, :, self._length : end] = keys
-        store.values[layer_idx][:, :, self._length : end] = values
-        return store.keys[layer_idx][:, :, :end], store.values[layer_idx][:, :, :end]
+    def join(self, store, layer, keys, values):
+        view_keys, view_values = self.gather(store, layer)
+        return torch.cat([view_keys, keys], dim=2), torch.cat([view_values, values], dim=2)
 
 
 class CompactView(KVView):
-    """A view with its own buffers ``[1, kv_heads, capacity, head_dim]`` per layer:
-    filled once from chosen positions, then extended with newly committed positions.
-    Forwards over it read the buffers in place (no gather per step)."""
+    """A view with its own buffers ``[1, kv_heads, capacity + scratch, head_dim]`` per
+    layer: filled from chosen positions, then extended with newly committed positions.
+    Forwards over it read the buffers in place; their new tokens use the ``scratch``
+    room after the contents."""
 
-    def __init__(self, store: KVStore, capacity: int, scratch: int = 8) -> None:
+    def __init__(self, store: KVStore, capacity: int, scratch: int = 1) -> None:
         shape = (1, store.kv_heads, capacity + scratch, store.head_dim)
         like = store.keys[0]
         self.keys = [torch.empty(shape, dtype=like.dtype, device=like.device) for _ in range(store.num_layers)]
@@ -190,7 +230,7 @@ class CompactView(KVView):
         if view.size > self.capacity:
             raise ValueError(f"{view.size} positions do not fit a view of capacity {self.capacity}")
         for layer in range(store.num_layers):
-            keys, values = view.layer_kv(store, layer)
+            keys, values = view.gather(store, layer)
             self.keys[layer][:, :, : view.size] = keys
             self.values[layer][:, :, : view.size] = values
         self._size = view.size
@@ -205,67 +245,15 @@ class CompactView(KVView):
             self.values[layer][:, :, self._size : self._size + count] = store.values[layer][:, :, start:end]
         self._size += count
 
-    def layer_kv(self, store: KVStore, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.keys[layer_idx][:, :, : self._size], self.values[layer_idx][:, :, : self._size]
+    def contents(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The view's keys and values of one layer, read in place: [1, kv_heads, S, head_dim]."""
+        return self.keys[layer][:, :, : self._size], self.values[layer][:, :, : self._size]
 
-    def join(self, store: KVStore, layer_idx: int, keys: torch.Tensor, values: torch.Tensor):
+    def join(self, store, layer, keys, values):
         end = self._size + keys.shape[2]
-        if end > self.keys[layer_idx].shape[2]:
-            return super().join(store, layer_idx, keys, values)
-        self.keys[layer_idx][:, :, self._size : end] = keys  # scratch room after the contents
-        self.values[layer_idx][:, :, self._size : end] = values
-        return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
-
-
-@attrs.define(eq=False)
-class ForwardPlan:
-    """What the cache does with the new tokens of one forward."""
-
-    view: KVView | None = None  # None: the full store, new tokens written into staging
-
-
-class StoreLayer(CacheLayerMixin):
-    """One layer of :class:`StoreCache`: serves keys/values from the runner's store."""
-
-    is_compileable = False
-    is_sliding = False
-
-    def __init__(self, cache: StoreCache, layer_idx: int) -> None:
-        super().__init__()
-        self._cache = cache
-        self._layer_idx = layer_idx
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states, value_states) -> None:  # noqa: D102 - storage is preallocated
-        return None
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        # key_states/value_states: [1, kv_heads, n, head_dim], keys already RoPE-rotated.
-        store, plan = self._cache.store, self._cache.plan
-        n = key_states.shape[2]
-        if plan.view is None:
-            start, end = store.length, store.length + n
-            if end > store.capacity:
-                raise RuntimeError(f"KV store overflow: {end} positions needed, capacity {store.capacity}")
-            store.keys[self._layer_idx][:, :, start:end] = key_states
-            store.values[self._layer_idx][:, :, start:end] = value_states
-            return store.keys[self._layer_idx][:, :, :end], store.values[self._layer_idx][:, :, :end]
-        return plan.view.join(store, self._layer_idx, key_states, value_states)
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self._cache.store.length
-
-    def get_max_length(self) -> int:
-        return self._cache.store.capacity
-
-
-class StoreCache(Cache):
-    """A transformers ``Cache`` whose layers read and write a :class:`KVStore`."""
-
-    def __init__(self, store: KVStore) -> None:
-        self.store = store
-        self.plan = ForwardPlan()
-        super().__init__(layers=[StoreLayer(self, i) for i in range(store.num_layers)])
+        if end > self.keys[layer].shape[2]:  # more new tokens than scratch room: copy
+            old_keys, old_values = self.contents(layer)
+            return torch.cat([old_keys, keys], dim=2), torch.cat([old_values, values], dim=2)
+        self.keys[layer][:, :, self._size : end] = keys
+        self.values[layer][:, :, self._size : end] = values
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]

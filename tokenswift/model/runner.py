@@ -6,9 +6,10 @@ Every forward is a set of new tokens with a boolean ``tree_mask`` among themselv
 all committed positions (or to a :class:`~tokenswift.model.kv.KVView` of them) plus
 the new tokens its row of ``tree_mask`` allows.
 
-A forward over the full store writes the new tokens' keys/values into staging;
-:meth:`Runner.commit` keeps a chosen subset, compacted in place. A forward over a view
-writes nothing into the store.
+A verify forward (``view=None``) stages the new tokens' keys/values after the
+committed ones; :meth:`Runner.commit` keeps a chosen subset, compacted in place. A
+forward over a view (drafting) leaves the committed KV untouched. Where keys and values
+go is decided in :mod:`tokenswift.model.kv` alone.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import attrs
 import torch
 
 from tokenswift.distributed import tensor_parallel_size
-from tokenswift.model.attention import ScoreRecorder, register_attention
-from tokenswift.model.kv import ForwardPlan, KVStore, KVView, StoreCache
+from tokenswift.model.attention import AttentionRecorder, register_attention
+from tokenswift.model.hf_cache import PLAN_KWARG, ForwardPlan, StoreCache
+from tokenswift.model.kv import KVStore, KVView, Staging
 
 logger = logging.getLogger(__name__)
 
@@ -28,10 +30,13 @@ logger = logging.getLogger(__name__)
 @attrs.frozen(kw_only=True, eq=False, repr=False)
 class ForwardOutput:
     """logits: [m, vocab] for the rows asked for (float32, or float64 for float64 models);
-    hidden: [m, hidden_size], the final-norm hidden states of the same rows."""
+    hidden: [m, hidden_size], the final-norm hidden states of the same rows;
+    attention: with ``record_attention``, per layer the last query's attention
+    probabilities per KV head, [kv_heads, K] float32."""
 
     logits: torch.Tensor | None
     hidden: torch.Tensor
+    attention: dict[int, torch.Tensor] | None = None
 
     def __repr__(self) -> str:
         shape = None if self.logits is None else tuple(self.logits.shape)
@@ -134,9 +139,10 @@ class Runner:
         depths: torch.Tensor | None = None,
         view: KVView | None = None,
         logits_rows: torch.Tensor | slice | None = slice(None),
-        recorder: ScoreRecorder | None = None,
+        record_attention: bool = False,
     ) -> ForwardOutput:
-        """Forward new tokens over the committed KV (or a view of it).
+        """Forward new tokens over the committed KV (``view=None``: all of it, the new
+        tokens staged for :meth:`commit`) or over a drafting ``view`` of it.
 
         tokens: [n] long. tree_mask: [n, n] bool, row i = tokens i may see (itself
         included); default causal. depths: [n] long, default ``arange(n)``.
@@ -150,37 +156,45 @@ class Runner:
         if depths is None:
             depths = torch.arange(n, device=self.device)
         positions = (depths.to(self.device, torch.long) + store.length).view(1, n)
-        prefix = store.length if view is None else view.size
-        if view is None and store.length + n > store.capacity:
-            raise RuntimeError(f"KV store overflow: {store.length + n} positions needed, capacity {store.capacity}")
+        view = Staging(store) if view is None else view
         mask = torch.cat(
-            [torch.ones(n, prefix, dtype=torch.bool, device=self.device), tree_mask.to(self.device, torch.bool)], dim=1
-        ).view(1, 1, n, prefix + n)
-        self.cache.plan = ForwardPlan(view=view)
-        extra = {} if recorder is None else {"tokenswift_scores": recorder}
-        if n == 1:
-            extra["tokenswift_dense"] = True  # a single query sees everything: no mask needed
-        out = self.decoder(
-            input_ids=tokens.view(1, n),
-            attention_mask=mask,
-            position_ids=positions,
-            cache=self.cache,
-            use_cache=True,
-            **extra,
-        )
-        if view is None:
-            store.staged = n
+            [torch.ones(n, view.size, dtype=torch.bool, device=self.device), tree_mask.to(self.device, torch.bool)], dim=1
+        ).view(1, 1, n, view.size + n)
+        recorder = AttentionRecorder() if record_attention else None
+        plan = ForwardPlan(view=view, dense=n == 1, recorder=recorder)
+        self.cache.plan = plan
+        try:
+            out = self.decoder(
+                input_ids=tokens.view(1, n),
+                attention_mask=mask,
+                position_ids=positions,
+                cache=self.cache,
+                use_cache=True,
+                **{PLAN_KWARG: plan},
+            )
+        finally:
+            self.cache.plan = None
+        view.finish(store, n)
+        attention = recorder.probabilities if recorder is not None else None
         hidden = out.last_hidden_state[0]  # [n, hidden_size]
         if logits_rows is None:
-            return ForwardOutput(logits=None, hidden=hidden)
+            return ForwardOutput(logits=None, hidden=hidden, attention=attention)
         hidden = hidden[logits_rows]
-        logits = self.lm_head(hidden).to(self.logits_dtype)
-        return ForwardOutput(logits=logits, hidden=hidden)
+        return ForwardOutput(logits=self.logits(hidden), hidden=hidden, attention=attention)
 
-    def prefill(self, tokens: torch.Tensor, *, chunk_size: int = 512) -> None:
-        """Forward a prompt in causal chunks and commit all of it. tokens: [n] long."""
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [m, hidden_size] final-norm states -> [m, vocab] logits in ``logits_dtype``."""
+        return self.lm_head(hidden).to(self.logits_dtype)
+
+    def prefill(self, tokens: torch.Tensor, *, chunk_size: int = 512) -> torch.Tensor | None:
+        """Forward a prompt in causal chunks and commit all of it. tokens: [n] long.
+        Returns the last token's final-norm hidden state ([hidden_size]; None for n = 0)."""
         tokens = torch.as_tensor(tokens, dtype=torch.long)
+        last = None
         for start in range(0, int(tokens.numel()), chunk_size):
             chunk = tokens[start : start + chunk_size]
-            self.forward(chunk, logits_rows=None)
+            out = self.forward(chunk, logits_rows=None)
             self.commit(torch.arange(chunk.numel()))
+            last = out.hidden[-1].clone()
+        return last

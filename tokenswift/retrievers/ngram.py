@@ -17,7 +17,7 @@ from collections import Counter, defaultdict
 import attrs
 
 from tokenswift.interfaces import Retriever
-from tokenswift.options import int_at_least
+from tokenswift.validation import int_at_least
 
 
 class NgramRetriever(Retriever):
@@ -33,16 +33,10 @@ class NgramRetriever(Retriever):
     def __init__(self, options, context) -> None:
         super().__init__(options, context)
         # n-grams join the table once they leave this many most recent tokens.
-        self.window = options.window if options.window is not None else self._penalty_window(context.spec)
+        penalty = context.penalty
+        self.window = options.window if options.window is not None else (penalty.window if penalty is not None else 0)
         self.table: dict[int, Counter] = defaultdict(Counter)
         self.fed = 0  # n-grams starting before this index are in the table
-
-    @staticmethod
-    def _penalty_window(spec) -> int:
-        penalty = spec.penalty
-        if penalty.name != "contextual":
-            return 0
-        return int(penalty.options.get("window", 1024))
 
     @property
     def max_tree_nodes(self) -> int:
@@ -53,7 +47,7 @@ class NgramRetriever(Retriever):
         self.fed = 0
         self._feed(state.tokens)
 
-    def observe(self, state, new_tokens) -> None:
+    def observe(self, state, outcome) -> None:
         self._feed(state.tokens)
 
     def _feed(self, tokens: list[int]) -> None:

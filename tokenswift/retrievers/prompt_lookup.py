@@ -12,7 +12,7 @@ import torch
 
 from tokenswift.errors import SpecError
 from tokenswift.interfaces import Retriever
-from tokenswift.options import int_at_least
+from tokenswift.validation import int_at_least
 
 
 class PromptLookupRetriever(Retriever):

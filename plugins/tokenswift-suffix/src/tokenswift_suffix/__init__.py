@@ -12,7 +12,7 @@ import attrs
 
 from tokenswift import hookimpl
 from tokenswift.interfaces import Retriever
-from tokenswift.options import int_at_least
+from tokenswift.validation import int_at_least
 
 from tokenswift_suffix.automaton import SuffixAutomaton
 
@@ -41,7 +41,7 @@ class SuffixRetriever(Retriever):
         for token in state.tokens:
             self.automaton.append(token)
 
-    def observe(self, state, new_tokens) -> None:
+    def observe(self, state, outcome) -> None:
         for token in state.tokens[len(self.automaton) :]:
             self.automaton.append(token)
 

@@ -145,7 +145,8 @@ def run_ablation(
 ) -> list[dict[str, Any]]:
     """Run every cell (and its ``ar`` reference) and write ``ablation.csv``; returns the rows."""
     from tokenswift import Pipeline, hookimpl
-    from tokenswift.bench import peak_rss_mib, reset_peak_rss, distinct_n
+    from tokenswift.memory import peak_rss_mib, reset_peak_rss
+    from tokenswift.tools.bench import distinct_n
     from tokenswift.model.loading import load_model
     from tokenswift.prompts import prompt_ids
     from tokenswift.registry import build_registry, get_plugin_manager

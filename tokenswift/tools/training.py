@@ -24,7 +24,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from tokenswift.drafters.heads import DraftHeads
+from tokenswift.drafters.draft_heads import DraftHeads
 from tokenswift.errors import TokenswiftError
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,5 @@
-"""What the ``tokenswift`` and ``medusa`` drafters share: heads, options, tree cutting."""
+"""The base of the drafters built on draft heads (``tokenswift``, ``medusa``): the
+heads, the options, and cutting the ranked candidates into the template's tree."""
 
 from __future__ import annotations
 
@@ -8,11 +9,10 @@ import attrs
 import torch
 
 from tokenswift.drafters import template
-from tokenswift.drafters.heads import DraftHeads, find_shipped_heads
-from tokenswift.drafters.tree_fit import load_tree
+from tokenswift.drafters.draft_heads import DraftHeads, find_shipped_heads
 from tokenswift.errors import SpecError
 from tokenswift.interfaces import Drafter
-from tokenswift.options import int_at_least
+from tokenswift.validation import int_at_least
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class HeadDrafter(Drafter):
         else:
             self.heads = DraftHeads.from_pretrained(source, runner.model)
             if tree is None:
-                tree = load_tree(source, self.name)  # fitted for these heads (tokenswift fit-tree)
+                tree = template.load_tree(source, self.name)  # fitted for these heads (tokenswift fit-tree)
                 if tree is not None:
                     logger.info("%s drafter: the tree fitted for these heads (%s)", self.name, source)
         self.heads.eval()

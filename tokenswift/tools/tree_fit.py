@@ -15,29 +15,28 @@ the model, its heads and the sampling setting, so a tree is *measured*, not gues
    tree, which is exactly how verification would have walked it, so the fitted tree
    and the default one can be compared on text they were not fitted on.
 
-A fitted tree is saved as ``tree.json`` beside the heads and used by the drafter
-named in it when its ``tree`` option is not given.
+A fitted tree is saved as ``tree.json`` beside the heads
+(:func:`tokenswift.drafters.template.save_tree`) and used by the drafter named in it
+when its ``tree`` option is not given.
 """
 
 from __future__ import annotations
 
 import heapq
-import json
 import logging
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
+from tokenswift.drafters.template import index_paths
 from tokenswift.errors import SpecError
-from tokenswift.interfaces import Penalty
-from tokenswift.sampling import build_warpers
-from tokenswift.spec import SamplingSpec
+from tokenswift.pipeline import Pipeline
+from tokenswift.registry import build_registry, get_plugin_manager
+from tokenswift.scoring import Scorer
+from tokenswift.spec import PipelineSpec
 
 logger = logging.getLogger(__name__)
 
-TREE_NAME = "tree.json"
-TREE_FORMAT = "tokenswift-tree/1"
 MISS = 10**9  # the rank of a token that is not among a depth's candidates
 
 
@@ -54,17 +53,16 @@ def replay(
     heads,
     tokens: Sequence[int],
     start: int,
-    penalty: Penalty,
-    sampling: SamplingSpec,
+    scorer: Scorer,
     *,
     penalized_heads: bool = False,
     chunk: int = 256,
 ) -> dict[str, torch.Tensor]:
     """Ranks of the drawn tokens ``tokens[start:]`` (m of them) of one generation.
 
-    model: the causal LM; heads: its :class:`~tokenswift.drafters.heads.DraftHeads`;
-    penalty, sampling: the pipeline's penalty component and sampling spec that made
-    the text. Returns, index i referring to ``tokens[start + i]``:
+    model: the causal LM; heads: its :class:`~tokenswift.drafters.draft_heads.DraftHeads`;
+    scorer: the scorer (penalty and warpers) of the pipeline that made the text.
+    Returns, index i referring to ``tokens[start + i]``:
 
     * ``target`` [m]: rank in the target scores (penalty and warpers) at its position,
       which is also its rank among the penalised LM-head candidates;
@@ -78,8 +76,6 @@ def replay(
     device = next(model.parameters()).device
     hidden = model.model(torch.tensor([list(tokens)], device=device)).last_hidden_state[0]  # [len, hidden_size]
     lm_head = model.get_output_embeddings()
-    window = penalty.window
-    warpers = build_warpers(sampling, device=device)
     keys = ("target", "lm", "p_max", "heads") + (("heads_penalized",) if penalized_heads else ())
     out = {key: [] for key in keys}
     for begin in range(start, len(tokens), chunk):
@@ -90,13 +86,10 @@ def replay(
         head_logits = heads.logits(h, lm_head).float()  # [c, num_heads, vocab]
         scores, penalised_heads = [], []
         for row, head_row, position in zip(logits, head_logits, range(begin, end)):
-            context = torch.tensor(
-                [tokens[max(0, position - window) : position] if window else []], dtype=torch.long, device=device
-            )
-            row = penalty.apply(context, row[None])
-            scores.append(warpers(context, row)[0] if len(warpers) else row[0])
+            context = scorer.context(tokens[:position], device=device)
+            scores.append(scorer(context, row[None])[0])
             if penalized_heads:
-                penalised_heads.append(penalty.apply(context.expand(len(head_row), -1), head_row))
+                penalised_heads.append(scorer.penalize(context.expand(len(head_row), -1), head_row))
         scores = torch.stack(scores)
         out["target"].append(rank_of(scores, drawn))
         out["lm"].append(rank_of(logits, drawn))
@@ -174,32 +167,6 @@ def fit_tree(ranks: Sequence[torch.Tensor], nodes: int, max_rank: int = 32) -> l
     return sorted(chosen, key=lambda path: (len(path), path))
 
 
-def save_tree(directory: str | Path, drafter: str, paths: Sequence[Sequence[int]], record: dict) -> Path:
-    """Write ``tree.json`` beside the heads in ``directory``; returns its path."""
-    path = Path(directory) / TREE_NAME
-    data = {"format": TREE_FORMAT, "drafter": drafter, "paths": [list(p) for p in paths], **record}
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
-    return path
-
-
-def load_tree(directory: str | Path, drafter: str) -> list[list[int]] | None:
-    """The fitted tree saved beside the heads in ``directory`` for ``drafter``, if any."""
-    path = Path(directory) / TREE_NAME
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise SpecError(f"cannot read the fitted tree {path}: {exc}") from None
-    if data.get("format") != TREE_FORMAT or not isinstance(data.get("paths"), list):
-        raise SpecError(f"{path} is not a {TREE_FORMAT} file (format {data.get('format')!r})")
-    if data.get("drafter") != drafter:
-        return None
-    return data["paths"]
-
-
 def fit_for_heads(
     model,
     tokenizer,
@@ -219,11 +186,6 @@ def fit_for_heads(
 
     Returns the tree fitted on all seeds and a record: per seed, tokens per step of a
     tree fitted on the *other* seeds and of ``default_tree`` (both replayed on it)."""
-    from tokenswift.drafters.template import index_paths
-    from tokenswift.pipeline import Pipeline
-    from tokenswift.registry import build_registry, get_plugin_manager
-    from tokenswift.spec import PipelineSpec
-
     if not seeds:
         raise ValueError("fit a tree on at least one seed")
     presets = build_registry(get_plugin_manager()).presets
@@ -240,7 +202,7 @@ def fit_for_heads(
     for seed in seeds:
         stream = (lambda chunk: progress(len(chunk.tokens))) if progress is not None else None
         result = ar.generate(list(prompt), new_tokens, seed=seed, ignore_eos=True, stream=stream)
-        replayed = replay(model, heads, list(prompt) + result.tokens, len(prompt), ar.penalty, ar.spec.sampling)
+        replayed = replay(model, heads, list(prompt) + result.tokens, len(prompt), ar.scorer)
         ranks[seed] = tokenswift_ranks(replayed, depth)
         logger.info("seed %d: %d tokens replayed", seed, len(result.tokens))
     per_seed = []

@@ -2,9 +2,9 @@
 presets, on one loaded model, one prompt and one sampling setting, in one process.
 
 Speed is reported as ratios to transformers ``generate()`` measured in the same run.
-transformers' repetition penalty has no window, so the baseline gets the same
-windowed penalty as a ``LogitsProcessor`` (:class:`WindowedRepetitionPenalty`): every
-method then samples from the same distribution.
+transformers' repetition penalty has no window, so its baselines get the pipelines'
+own penalty as a ``LogitsProcessor`` (:class:`PenaltyProcessor`, through the same
+:class:`~tokenswift.scoring.Scorer`): every method samples from the same distribution.
 """
 
 from __future__ import annotations
@@ -17,8 +17,11 @@ from pathlib import Path
 
 import attrs
 import torch
-from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
 from transformers.generation.streamers import BaseStreamer
+
+from tokenswift.memory import peak_rss_mib, reset_peak_rss
+from tokenswift.scoring import Scorer
 
 logger = logging.getLogger(__name__)
 
@@ -63,15 +66,16 @@ class MethodResult:
     error: str | None = None
 
 
-class WindowedRepetitionPenalty(LogitsProcessor):
-    """transformers' repetition penalty, applied to the last ``window`` tokens only."""
+class PenaltyProcessor(LogitsProcessor):
+    """A scorer's penalty (with its window) as a transformers ``LogitsProcessor``, for
+    ``generate()``; transformers then applies its own sampling warpers."""
 
-    def __init__(self, penalty: float, window: int) -> None:
-        self.window = window
-        self.inner = RepetitionPenaltyLogitsProcessor(penalty=penalty)
+    def __init__(self, scorer: Scorer) -> None:
+        self.scorer = scorer
 
     def __call__(self, input_ids, scores):
-        return self.inner(input_ids[:, -self.window :], scores) if self.window else scores
+        window = self.scorer.window
+        return self.scorer.penalize(input_ids[:, -window:] if window else input_ids[:, :0], scores)
 
 
 class _TokenClock(BaseStreamer):
@@ -103,25 +107,6 @@ def distinct_n(tokens: list[int], n: int) -> float:
 def _agreement(tokens: list[int], reference: list[int]) -> float:
     """Fraction of positions where ``tokens`` equals ``reference``."""
     return sum(a == b for a, b in zip(tokens, reference)) / max(len(reference), 1)
-
-
-def reset_peak_rss() -> None:
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
-
-
-def peak_rss_mib() -> float:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _timing(stamps: list[float], start: float) -> tuple[list[float], list[tuple[int, float]]]:
@@ -162,6 +147,9 @@ def run_bench(
     device = next(model.parameters()).device
     prompt = prompt_ids(tokenizer, config.prompt_tokens)
     info = {"config": attrs.asdict(config), "torch": torch.__version__, "threads": torch.get_num_threads()}
+    penalty = {"name": "contextual", "value": config.penalty, "window": config.window}
+    # transformers' methods get the penalty of an ar pipeline with the same settings.
+    ar_pipe = Pipeline.from_spec({"preset": "ar", "penalty": penalty, "sampling": _sampling_spec(config)}, model, tokenizer)
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     results: list[MethodResult] = []
@@ -184,7 +172,7 @@ def run_bench(
                     max_new_tokens=config.new_tokens,
                     min_new_tokens=config.new_tokens,
                     do_sample=not config.greedy,
-                    logits_processor=LogitsProcessorList([WindowedRepetitionPenalty(config.penalty, config.window)]),
+                    logits_processor=LogitsProcessorList([PenaltyProcessor(ar_pipe.scorer)]),
                     streamer=clock,
                     pad_token_id=tokenizer.eos_token_id,
                 )
@@ -197,11 +185,7 @@ def run_bench(
                 tokens = out[0, len(prompt) :].tolist()
                 stamps = clock.times
             else:
-                spec = {
-                    "preset": method,
-                    "penalty": {"name": "contextual", "value": config.penalty, "window": config.window},
-                    "sampling": _sampling_spec(config),
-                }
+                spec = {"preset": method, "penalty": penalty, "sampling": _sampling_spec(config)}
                 if method in ("tokenswift", "medusa"):
                     spec["drafter"] = {"heads": config.heads}
                 pipe = Pipeline.from_spec(spec, model, tokenizer)

@@ -1,0 +1,72 @@
+"""``tokenswift train-heads``: train draft heads on a frozen model (see
+:mod:`tokenswift.tools.training`)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from tokenswift.commands import CliError, command_line, device_name
+
+
+def run(args, argv) -> int:
+    from tqdm import tqdm
+
+    from tokenswift.tools.training import TrainConfig, read_corpus, train_heads
+    from tokenswift.model.loading import load_model
+    from tokenswift.spec import ModelSpec
+
+    try:
+        config = TrainConfig(
+            steps=args.steps,
+            seq_len=args.seq_len,
+            batch=args.batch,
+            positions=args.positions,
+            lr=args.lr,
+            warmup=args.warmup,
+            num_heads=args.num_heads,
+            seed=args.seed,
+            checkpoint_every=args.checkpoint_every,
+            holdout=tuple(name.strip() for name in args.holdout.split(",") if name.strip()),
+        )
+    except ValueError as exc:
+        raise CliError(f"train-heads: {exc}") from None
+    model, tokenizer = load_model(ModelSpec(path=args.model, dtype=args.dtype, device=args.device))
+    if tokenizer is None:
+        raise CliError(f"train-heads needs a tokenizer, and none was found with {args.model}")
+    corpus = read_corpus(args.data, tokenizer, config.holdout)
+    print(
+        f"training {config.num_heads} heads on {len(corpus.train):,} tokens ({len(corpus.train_ids)} books); "
+        f"held out: {', '.join(corpus.held_out_ids)} ({len(corpus.held_out):,} tokens)",
+        file=sys.stderr,
+    )
+    bar = tqdm(total=config.steps, unit="step", file=sys.stderr, dynamic_ncols=True)
+
+    def progress(step, metrics):
+        bar.n = step
+        bar.set_postfix({"loss": f"{sum(metrics['loss']) / len(metrics['loss']):.3f}",
+                         "acc": "/".join(f"{a:.2f}" for a in metrics["acc"])})
+
+    if args.resume:
+        from tokenswift.tools.training import CHECKPOINT
+
+        if not (Path(args.out) / CHECKPOINT).is_file():
+            raise CliError(f"--resume: no checkpoint in {args.out}")
+    def progress_and_close(step, metrics):
+        progress(step, metrics)
+        if step == config.steps:
+            bar.close()
+            print("evaluating on the held-out text...", file=sys.stderr)
+
+    record = train_heads(model, corpus, args.out, config, resume=args.resume, progress=progress_and_close)
+    record["command"] = command_line(argv)
+    record["model"] = args.model
+    record["dtype"] = args.dtype
+    record["device"] = device_name(model)
+    record["data"] = str(args.data)
+    Path(args.out, "training.json").write_text(json.dumps(record, indent=2) + "\n")
+    acc = record["held_out_accuracy"]
+    print(f"held-out accuracy: top-1 {acc['top1']}, top-3 {acc['top3']} (LM head top-1 {acc['lm_head_top1']}); "
+          f"{record['wall_seconds']:.0f} s", file=sys.stderr)
+    return 0

@@ -1,0 +1,186 @@
+"""One generation: the prompt's prefill, then the decoding loop, one step at a time.
+
+A step (``Generation.steps``; gpt-fast's ``generate.py`` is the model):
+
+1. propose  the drafter gives branches below the root (the last committed token) from
+            the previous forward's hidden state or from a pass of the root over the
+            cache policy's drafting view; the retriever adds branches from the text;
+            all are merged into one :class:`~tokenswift.tree.DraftTree`;
+2. score    one forward of the tree over the full KV; a node's processed scores
+            (penalty, then warpers, with the node's own context) are computed when the
+            verifier first asks for them (:class:`~tokenswift.scoring.NodeScores`);
+3. verify   the verifier walks the tree from the root: the accepted path + a bonus token;
+4. commit   the KV keeps the root and the accepted path; the tokens are appended and
+            every component observes the step.
+
+Each step yields a :class:`~tokenswift.stats.StepRecord`; streaming, checkpoints,
+progress bars, plugin hooks and statistics are consumers of those records.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+from tokenswift.checkpoint import Checkpoint
+from tokenswift.errors import NonFiniteScoresError
+from tokenswift.interfaces import DecodeState, DraftInputs, StepOutcome, Verdict
+from tokenswift.model.kv import FullView
+from tokenswift.sampling import Sampler
+from tokenswift.scoring import NodeScores
+from tokenswift.stats import StageClock, StepRecord
+from tokenswift.tree import RETRIEVER, DraftTree
+
+if TYPE_CHECKING:
+    from tokenswift.pipeline import Pipeline
+
+logger = logging.getLogger(__name__)
+
+
+class Generation:
+    """The state and loop of one generation with a pipeline's model and components.
+
+    ``done_tokens`` are new tokens already generated (a resumed checkpoint); the
+    ``generator`` must then be in the state the checkpoint saved.
+    """
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        *,
+        seed: int,
+        generator: torch.Generator,
+        ignore_eos: bool,
+        done_tokens: list[int] | None = None,
+        finish_reason: str | None = None,
+    ) -> None:
+        self.pipeline = pipeline
+        self.prompt_ids = list(prompt_ids)
+        self.max_new_tokens = max_new_tokens
+        self.seed = seed
+        self.generator = generator
+        self.ignore_eos = ignore_eos
+        self.eos = set() if ignore_eos else pipeline.eos_token_ids()
+        self.sampler = Sampler(pipeline.spec.sampling.greedy, generator)
+        self.state = DecodeState(tokens=self.prompt_ids + list(done_tokens or []), prompt_length=len(self.prompt_ids))
+        self.finish_reason = finish_reason or "length"
+        self.started = time.perf_counter()
+        self.prefill_seconds = 0.0
+        self.parent_hidden: torch.Tensor | None = None  # [hidden_size], gave the current root token
+        # What a checkpoint resumes from: committed tokens and the generator after their draws.
+        self._committed = (len(self.state.tokens), generator.get_state())
+        self._prefilled = finish_reason is not None  # a finished checkpoint needs no forward
+
+    # -- results --------------------------------------------------------------------
+
+    @property
+    def new_tokens(self) -> list[int]:
+        """The tokens generated so far (committed steps only)."""
+        return self.state.tokens[len(self.prompt_ids) : self._committed[0]]
+
+    def checkpoint(self, finish_reason: str | None = None) -> Checkpoint:
+        """Everything needed to continue this generation exactly, as of its last committed step."""
+        length, rng_state = self._committed
+        return Checkpoint(
+            spec=self.pipeline.spec.to_dict(),
+            prompt_tokens=list(self.prompt_ids),
+            tokens=self.state.tokens[len(self.prompt_ids) : length],
+            seed=self.seed,
+            rng_state=bytes(rng_state.tolist()),
+            max_new_tokens=self.max_new_tokens,
+            ignore_eos=self.ignore_eos,
+            finish_reason=finish_reason,
+        )
+
+    # -- the loop -------------------------------------------------------------------
+
+    def prefill(self) -> None:
+        """Allocate the KV store and forward the context except its last token (the
+        first root); start the components."""
+        pipeline, runner = self.pipeline, self.pipeline.runner
+        started = time.perf_counter()
+        runner.allocate(len(self.prompt_ids) + self.max_new_tokens + pipeline.max_tree_nodes())
+        self.parent_hidden = runner.prefill(torch.tensor(self.state.tokens[:-1], dtype=torch.long))
+        for component in pipeline.components:
+            component.start(self.state)
+        self.prefill_seconds = time.perf_counter() - started
+        self._prefilled = True
+
+    def steps(self) -> Iterator[StepRecord]:
+        """Decode until ``max_new_tokens`` or EOS, yielding each committed step.
+        Afterwards :attr:`finish_reason` says why it stopped."""
+        if not self._prefilled:
+            self.prefill()
+        pipeline, state = self.pipeline, self.state
+        runner, verifier, sampler = pipeline.runner, pipeline.verifier, self.sampler
+        clock = StageClock(runner.device)
+        while state.generated < self.max_new_tokens and self.finish_reason == "length":
+            clock.start()
+            tree = self.propose()
+            clock.lap("propose")
+            output = runner.forward(tree.token_tensor(), tree_mask=tree.mask(), depths=tree.depth_tensor(), logits_rows=None)
+            scores = NodeScores(tree, output.hidden, runner, pipeline.scorer, state.tokens)
+            clock.lap("score")
+            try:
+                verdict = verifier.verify(tree, scores, sampler)
+            except NonFiniteScoresError as exc:  # keep the text so far; the caller sees why it stopped
+                logger.warning("stopping after %d new tokens: %s", state.generated, exc)
+                self.finish_reason = "non-finite scores"
+                return
+            clock.lap("verify")
+            emitted, kept = self.commit(tree, verdict, output.hidden)
+            clock.lap("commit")
+            yield StepRecord(
+                step=state.step,
+                tree_size=len(tree) - 1,
+                depth=tree.depth,
+                accepted=len(kept),
+                retrieved=sum(1 for node in kept if tree.sources[node] == RETRIEVER),
+                emitted=emitted,
+                generated=state.generated,
+                seconds=time.perf_counter() - self.started,
+                stage_seconds=dict(clock.seconds),
+            )
+
+    def propose(self) -> DraftTree:
+        """The candidate tree of the next step: drafter branches, then retriever branches."""
+        pipeline, state, runner = self.pipeline, self.state, self.pipeline.runner
+        root_token = state.tokens[-1]
+        inputs = DraftInputs(parent_hidden=self.parent_hidden)
+        if pipeline.drafter.needs_root_pass:
+            view = pipeline.cache_policy.drafting_view(state)
+            root = runner.forward(torch.tensor([root_token]), view=view if view is not None else FullView(runner.store))
+            inputs = DraftInputs(parent_hidden=self.parent_hidden, root=root, root_exact=view is None)
+        tree = DraftTree.root_only(root_token)
+        tree.add_branches(pipeline.drafter.propose(state, inputs))
+        first_tokens = [tree.tokens[child] for child in tree.children(0).values()]
+        tree.add_branches(pipeline.retriever.retrieve(state, first_tokens), source=RETRIEVER)
+        return tree
+
+    def commit(self, tree: DraftTree, verdict: Verdict, hidden: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Keep the root and the accepted path in the KV, append the emitted tokens (cut
+        at ``max_new_tokens`` and EOS) and let the components observe the step.
+        hidden: [len(tree), hidden_size]. Returns (emitted tokens, accepted nodes kept)."""
+        pipeline, state = self.pipeline, self.state
+        pipeline.runner.commit([0, *verdict.accepted])
+        emitted = [tree.tokens[node] for node in verdict.accepted] + [verdict.bonus]
+        emitted = emitted[: self.max_new_tokens - state.generated]
+        for i, token in enumerate(emitted):
+            if token in self.eos:
+                emitted = emitted[: i + 1]
+                self.finish_reason = "eos"
+                break
+        outcome = StepOutcome(emitted=emitted, tree=tree, accepted=list(verdict.accepted), hidden=hidden)
+        state.tokens.extend(emitted)
+        state.step += 1
+        self._committed = (len(state.tokens), self.generator.get_state())
+        self.parent_hidden = hidden[outcome.bonus_parent]
+        for component in pipeline.components:
+            component.observe(state, outcome)
+        return emitted, verdict.accepted[: len(emitted)]

@@ -1,0 +1,143 @@
+"""What a generation did: one record per step, the stage clock, and the totals."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import attrs
+import torch
+
+STAGES = ("propose", "score", "verify", "commit")
+
+
+class StageClock:
+    """Seconds per stage of one step. :meth:`lap` charges the time since the previous
+    lap to a stage; on a GPU it first waits for the device, so a stage is charged for
+    the kernels it launched rather than the next stage."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._sync = torch.cuda.synchronize if device.type == "cuda" else None
+        self._last = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    def start(self) -> None:
+        if self._sync is not None:
+            self._sync()
+        self._last = time.perf_counter()
+        self.seconds = dict.fromkeys(STAGES, 0.0)
+
+    def lap(self, stage: str) -> None:
+        if self._sync is not None:
+            self._sync()
+        now = time.perf_counter()
+        self.seconds[stage] += now - self._last
+        self._last = now
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class StepRecord:
+    """One committed step, as observers see it."""
+
+    step: int
+    tree_size: int  # nodes below the root that were verified
+    depth: int  # the verified tree's depth (0: nothing drafted)
+    accepted: int  # drafted tokens accepted and emitted
+    retrieved: int  # of those, the ones from retriever branches
+    emitted: list[int]  # accepted tokens + bonus (cut at max_new_tokens / EOS)
+    generated: int  # new tokens so far, these included
+    seconds: float  # since generation start
+    stage_seconds: dict[str, float] = attrs.field(factory=dict)  # this step's, per stage (STAGES)
+
+
+@attrs.frozen(kw_only=True)
+class GenerationStats:
+    """What one generation did and how long it took."""
+
+    prompt_tokens: int
+    new_tokens: int
+    steps: int
+    seconds: float  # prefill + decode
+    prefill_seconds: float
+    proposed_tokens: int  # tree nodes below the root, summed over steps
+    accepted_tokens: int  # proposed tokens that were accepted
+    retrieved_accepted_tokens: int  # of those, the ones from retriever branches
+    draft_depth: int  # sum over steps of the tree depth (the paper's "steps x k")
+    tokens_per_step_histogram: dict[int, int]
+    stage_seconds: dict[str, float]
+    finish_reason: str  # "length", "eos", "interrupted" or "non-finite scores" (text so far kept)
+
+    @property
+    def decode_seconds(self) -> float:
+        return self.seconds - self.prefill_seconds
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.new_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.new_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens / (steps x tree depth), as the paper defines it."""
+        return self.accepted_tokens / self.draft_depth if self.draft_depth else 0.0
+
+    @property
+    def retriever_share(self) -> float:
+        return self.retrieved_accepted_tokens / self.accepted_tokens if self.accepted_tokens else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens,
+            "steps": self.steps,
+            "seconds": round(self.seconds, 3),
+            "tokens_per_second": round(self.tokens_per_second, 2),
+            "decode_tokens_per_second": round(self.decode_tokens_per_second, 2),
+            "tokens_per_step": round(self.tokens_per_step, 3),
+            "acceptance_rate": round(self.acceptance_rate, 3),
+            "retriever_share": round(self.retriever_share, 3),
+            "finish_reason": self.finish_reason,
+        }
+
+
+class StatsCollector:
+    """Totals over a generation's step records (a consumer of ``Generation.steps()``)."""
+
+    def __init__(self) -> None:
+        self.steps = self.proposed = self.accepted = self.retrieved = self.depth = 0
+        self.histogram: dict[int, int] = {}
+        self.stage = dict.fromkeys(STAGES, 0.0)
+
+    def __call__(self, record: StepRecord) -> None:
+        self.steps += 1
+        self.proposed += record.tree_size
+        self.accepted += record.accepted
+        self.retrieved += record.retrieved
+        self.depth += record.depth
+        emitted = len(record.emitted)
+        self.histogram[emitted] = self.histogram.get(emitted, 0) + 1
+        for stage, seconds in record.stage_seconds.items():
+            self.stage[stage] = self.stage.get(stage, 0.0) + seconds
+
+    def stats(self, *, prompt_tokens: int, new_tokens: int, seconds: float, prefill_seconds: float, finish_reason: str) -> GenerationStats:
+        return GenerationStats(
+            prompt_tokens=prompt_tokens,
+            new_tokens=new_tokens,
+            steps=self.steps,
+            seconds=seconds,
+            prefill_seconds=prefill_seconds,
+            proposed_tokens=self.proposed,
+            accepted_tokens=self.accepted,
+            retrieved_accepted_tokens=self.retrieved,
+            draft_depth=self.depth,
+            tokens_per_step_histogram=dict(sorted(self.histogram.items())),
+            stage_seconds=dict(self.stage),
+            finish_reason=finish_reason,
+        )
