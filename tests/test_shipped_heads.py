@@ -31,9 +31,9 @@ def test_shipped_heads_come_with_a_fitted_tree_and_its_record():
 
 
 def test_the_tokenswift_preset_finds_and_uses_the_shipped_heads():
-    pipe = Pipeline.from_spec({"preset": "tokenswift", "model": {"path": "smollm2", "dtype": "bfloat16"}})
+    pipe = Pipeline.from_spec({"preset": "tokenswift", "model": {"path": "smollm2", "dtype": "float32"}})
     assert find_shipped_heads(pipe.model) == shipped_heads_root() / "smollm2"
     fitted = json.loads((shipped_heads_root() / "smollm2" / "tree.json").read_text())["paths"]
     assert pipe.drafter.paths == [tuple(p) for p in fitted]
-    result = pipe.generate(demo_prompt(), 48, seed=0, ignore_eos=True)
+    result = pipe.generate(demo_prompt()[-2000:], 32, seed=0, ignore_eos=True)
     assert result.stats.accepted_tokens > 0 and result.stats.tokens_per_step > 1.2

@@ -154,16 +154,20 @@ def cache_dir() -> Path:
     return Path(os.environ.get("TOKENSWIFT_CACHE", Path.home() / ".cache" / "tokenswift"))
 
 
-def _converted_gguf(path: Path, dtype_name: str) -> Path | None:
+CONVERTED_DTYPE = "float32"  # dequantized GGUF weights are exact in it; other dtypes are cast at load
+
+
+def _converted_gguf(path: Path) -> Path | None:
     """A transformers directory converted from a GGUF file, made once and cached.
 
     Parsing and dequantizing a GGUF file takes ~15 s; the converted safetensors copy
-    loads in well under a second. Returns None when the cache cannot be written.
+    (float32, whatever dtype is asked for: loading casts it) loads in well under a
+    second. Returns None when the cache cannot be written.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     stat = path.stat()
-    target = cache_dir() / "models" / f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}-{dtype_name}"
+    target = cache_dir() / "models" / f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}-{CONVERTED_DTYPE}"
     if (target / "config.json").is_file():
         return target
     logger.info("converting %s to %s (once)", path, target)
@@ -171,7 +175,7 @@ def _converted_gguf(path: Path, dtype_name: str) -> Path | None:
         model = AutoModelForCausalLM.from_pretrained(
             path.parent,
             gguf_file=path.name,
-            dtype=resolve_dtype(dtype_name),
+            dtype=resolve_dtype(CONVERTED_DTYPE),
             quantization_config=GgufConfig(dequantize=True),
             local_files_only=True,
         )
@@ -193,23 +197,23 @@ def _converted_gguf(path: Path, dtype_name: str) -> Path | None:
     return target
 
 
-def _converted_gguf_once(path: Path, dtype_name: str) -> Path | None:
+def _converted_gguf_once(path: Path) -> Path | None:
     """:func:`_converted_gguf`, done by rank 0 alone when torchrun started several
     processes (the others wait, then find the cached copy)."""
     if not distributed.launched():
-        return _converted_gguf(path, dtype_name)
+        return _converted_gguf(path)
     import torch.distributed as dist
 
     failure = None
     if distributed.is_primary():
         try:
-            _converted_gguf(path, dtype_name)
+            _converted_gguf(path)
         except ModelLoadError as exc:
             failure = exc
     dist.barrier()
     if failure is not None:
         raise failure
-    return _converted_gguf(path, dtype_name)
+    return _converted_gguf(path)
 
 
 def load_model(spec: ModelSpec):
@@ -234,7 +238,7 @@ def load_model(spec: ModelSpec):
         if not path.is_file():
             raise ModelLoadError(f"GGUF file not found: {path}")
         _require_gguf_support()
-        converted = _converted_gguf_once(path, spec.dtype)
+        converted = _converted_gguf_once(path)
         directory, gguf_file = (converted, None) if converted is not None else (path.parent, path.name)
     elif path.is_dir():
         if not (path / "config.json").is_file():
