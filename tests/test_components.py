@@ -106,8 +106,12 @@ def test_ngram_ranks_by_count_and_keys_on_depth_one_candidates():
     tokens = [0, 7, 1, 1, 1, 7, 2, 2, 2, 7, 2, 2, 2, 7, 3, 3, 3, 0]
     state = DecodeState(tokens=tokens, prompt_length=len(tokens))
     pipe.retriever.start(state)
-    assert pipe.retriever.retrieve(state, [7]) == [[7, 2, 2, 2], [7, 1, 1, 1]]
-    assert pipe.retriever.retrieve(state, []) == [[7, 1, 1]]  # keyed on the root (token 0)
+    branches = pipe.retriever.retrieve(state, [7])
+    assert [list(b.tokens) for b in branches] == [[7, 2, 2, 2], [7, 1, 1, 1]]
+    # a continuation's first token is as likely as its share of the key's n-grams
+    assert [b.confidence for b in branches] == [[None, 2 / 4, None, None], [None, 1 / 4, None, None]]  # of 4 n-grams after 7
+    keyed_on_root = pipe.retriever.retrieve(state, [])
+    assert [list(b.tokens) for b in keyed_on_root] == [[7, 1, 1]]  # keyed on the root (token 0)
 
 
 def test_prompt_lookup_continues_the_latest_match():
@@ -200,7 +204,7 @@ def test_drafting_never_writes_into_the_committed_kv(cache):
     store = pipe.runner.store
     committed = store.length
     before = [t[:, :, :committed].clone() for t in store.keys + store.values]
-    tree = run.propose()
+    tree, _drafted, _drafting_pass = run.propose()
     assert len(tree) > 1 and store.staged == 0 and store.length == committed == len(tokens) - 1
     for old, new in zip(before, store.keys + store.values):
         assert torch.equal(old, new[:, :, :committed])
@@ -230,10 +234,11 @@ def test_tokenswift_ranks_depth_one_with_the_penalty_verification_applies(penali
         "cache": {"name": "full"},
         "penalty": {"name": "contextual", "value": 50.0, "window": 8},
         "sampling": {"greedy": True},
+        "speculation": {"tree": "fixed"},  # the drafting pass runs every step
     }
     pipe = Pipeline.from_spec(spec, model)
     run = pipe.start(prompt, 8)
     run.prefill()
-    tree = run.propose()
+    tree, _drafted, _drafting_pass = run.propose()
     expected = (penalised if penalize else raw).argmax().item()
     assert list(tree.children(0)) == [expected]

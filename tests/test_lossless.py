@@ -52,10 +52,11 @@ COMBINATIONS = list(itertools.product(DRAFTERS, RETRIEVERS, CACHES, PENALTIES))
     arch=st.sampled_from(["llama-mha", "llama-gqa", "qwen2", "looping"]),
     dtype=st.sampled_from(["float32", "float64"]),
     sampling=st.sampled_from(SAMPLINGS),
+    tree=st.sampled_from(["auto", "fixed"]),
     prompt=prompts(),
     seed=st.integers(0, 2**31),
 )
-def test_every_combination_is_lossless(drafter, retriever, cache, penalty, arch, dtype, sampling, prompt, seed):
+def test_every_combination_is_lossless(drafter, retriever, cache, penalty, arch, dtype, sampling, tree, prompt, seed):
     spec = {
         "preset": "ar",
         "drafter": DRAFTERS[drafter],
@@ -63,6 +64,7 @@ def test_every_combination_is_lossless(drafter, retriever, cache, penalty, arch,
         "cache": CACHES[cache],
         "penalty": PENALTIES[penalty],
         "sampling": sampling,
+        "speculation": {"tree": tree},
     }
     model = looping_model("llama-gqa", dtype) if arch == "looping" else tiny_model_for(arch, dtype)
     assert_lossless(Pipeline.from_spec(spec, model), prompt, 24, seed=seed)
@@ -90,8 +92,15 @@ def test_retriever_branches_are_taken_and_accepted(retriever):
 
 
 def test_tokenswift_depth_one_is_always_right_with_a_full_cache_under_greedy():
-    """Its depth-1 guess is the model's own next token, so >= 2 tokens per step."""
-    spec = {"preset": "tokenswift", "cache": {"name": "full"}, "sampling": {"greedy": True}, "penalty": {"name": "none"}}
+    """With the paper's fixed tree (a drafting pass every step), its depth-1 guess is the
+    model's own next token, so >= 2 tokens per step."""
+    spec = {
+        "preset": "tokenswift",
+        "cache": {"name": "full"},
+        "sampling": {"greedy": True},
+        "penalty": {"name": "none"},
+        "speculation": {"tree": "fixed"},
+    }
     pipe = Pipeline.from_spec(spec, tiny_model_for("llama-gqa"))
     result = assert_lossless(pipe, [3, 1, 4, 1, 5, 9, 2, 6], 40)
     assert min(result.stats.tokens_per_step_histogram) >= 2 or result.stats.steps == 1

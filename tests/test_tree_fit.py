@@ -64,6 +64,7 @@ def test_replay_predicts_the_pipelines_steps_exactly(tmp_path, tree, penalty):
     pipe = Pipeline.from_spec(
         {
             "preset": "tokenswift",
+            "speculation": {"tree": "fixed"},  # the replay walks the whole fixed tree, drafting pass included
             "drafter": {"heads": str(tmp_path), "tree": tree},
             "retriever": {"name": "none"},
             "cache": {"name": "full"},

@@ -9,7 +9,7 @@ of swappable parts.
 from tokenswift.errors import ModelLoadError, PluginError, SpecError, TokenswiftError
 from tokenswift.pipeline import GenerationResult, GenerationStats, Pipeline, StepRecord, StreamChunk
 from tokenswift.registry import get_plugin_manager, hookimpl
-from tokenswift.spec import ComponentSpec, ModelSpec, PipelineSpec, SamplingSpec
+from tokenswift.spec import ComponentSpec, ModelSpec, PipelineSpec, SamplingSpec, SpeculationSpec
 
 __version__ = "0.1.0"
 
@@ -23,6 +23,7 @@ __all__ = [
     "PipelineSpec",
     "PluginError",
     "SamplingSpec",
+    "SpeculationSpec",
     "SpecError",
     "StepRecord",
     "StreamChunk",

@@ -5,7 +5,9 @@ A step (``Generation.steps``; gpt-fast's ``generate.py`` is the model):
 1. propose  the drafter gives branches below the root (the last committed token) from
             the previous forward's hidden state or from a pass of the root over the
             cache policy's drafting view; the retriever adds branches from the text;
-            all are merged into one :class:`~tokenswift.tree.DraftTree`;
+            all are merged into one :class:`~tokenswift.tree.DraftTree`, and the
+            candidates worth verifying here and now are kept (:mod:`tokenswift.speculation`;
+            all of them with ``speculation.tree = "fixed"``);
 2. score    one forward of the tree over the full KV; a node's processed scores
             (penalty, then warpers, with the node's own context) are computed when the
             verifier first asks for them (:class:`~tokenswift.scoring.NodeScores`);
@@ -32,8 +34,9 @@ from tokenswift.interfaces import DecodeState, DraftInputs, StepOutcome, Verdict
 from tokenswift.model.kv import FullView
 from tokenswift.sampling import Sampler
 from tokenswift.scoring import NodeScores
+from tokenswift.speculation import AcceptanceTracker, Choice, DraftGate, PassChooser, choose
 from tokenswift.stats import StageClock, StepRecord
-from tokenswift.tree import RETRIEVER, DraftTree
+from tokenswift.tree import DRAFTER, RETRIEVER, DraftTree
 
 if TYPE_CHECKING:
     from tokenswift.pipeline import Pipeline
@@ -73,6 +76,13 @@ class Generation:
         self.started = time.perf_counter()
         self.prefill_seconds = 0.0
         self.parent_hidden: torch.Tensor | None = None  # [hidden_size], gave the current root token
+        # Each step's tree chosen by expected tokens per predicted second, unless the spec
+        # fixes it (or ranks must agree on trees without timings: under torchrun).
+        self.costs = pipeline.costs()
+        auto = pipeline.spec.speculation.tree == "auto" and self.costs is not None
+        self.tracker = AcceptanceTracker() if auto else None
+        self.passes = PassChooser() if auto else None
+        self.gate = DraftGate() if auto else None
         # What a checkpoint resumes from: committed tokens and the generator after their draws.
         self._committed = (len(self.state.tokens), generator.get_state())
         self._prefilled = finish_reason is not None  # a finished checkpoint needs no forward
@@ -122,11 +132,17 @@ class Generation:
         clock = StageClock(runner.device)
         while state.generated < self.max_new_tokens and self.finish_reason == "length":
             clock.start()
-            tree = self.propose()
+            candidates, drafted, drafting_pass = self.propose()
+            choice = self.choose(candidates)
+            tree = candidates if choice is None else candidates.subtree(choice.keep)
+            if drafted and self.gate is not None:
+                self.gate.observe(sum(1 for source in tree.sources[1:] if source == DRAFTER))
             clock.lap("propose")
             output = runner.forward(tree.token_tensor(), tree_mask=tree.mask(), depths=tree.depth_tensor(), logits_rows=None)
-            scores = NodeScores(tree, output.hidden, runner, pipeline.scorer, state.tokens)
+            likely = choice.likely_path(candidates) if choice is not None else ()
+            scores = NodeScores(tree, output.hidden, runner, pipeline.scorer, state.tokens, with_root=likely)
             clock.lap("score")
+            forward_seconds = clock.seconds["score"]
             try:
                 verdict = verifier.verify(tree, scores, sampler)
             except NonFiniteScoresError as exc:  # keep the text so far; the caller sees why it stopped
@@ -134,10 +150,17 @@ class Generation:
                 self.finish_reason = "non-finite scores"
                 return
             clock.lap("verify")
+            context = runner.committed_length
             emitted, kept = self.commit(tree, verdict, output.hidden)
             clock.lap("commit")
+            if self.tracker is not None:
+                self.tracker.observe(tree, verdict.accepted)
+                self.costs.observe_forward(len(tree), context, forward_seconds)
+                if drafting_pass is not None:
+                    self.passes.observe(drafting_pass, len(emitted), sum(clock.seconds.values()))
             yield StepRecord(
                 step=state.step,
+                candidates=len(candidates) - 1,
                 tree_size=len(tree) - 1,
                 depth=tree.depth,
                 accepted=len(kept),
@@ -146,22 +169,49 @@ class Generation:
                 generated=state.generated,
                 seconds=time.perf_counter() - self.started,
                 stage_seconds=dict(clock.seconds),
+                drafting_pass=bool(drafting_pass),
+                predicted_tokens=None if choice is None else choice.expected_tokens,
+                predicted_seconds=None if choice is None else choice.seconds,
+                forward_seconds=forward_seconds,
             )
 
-    def propose(self) -> DraftTree:
-        """The candidate tree of the next step: drafter branches, then retriever branches."""
+    def propose(self) -> tuple[DraftTree, bool, bool | None]:
+        """The candidates of the next step: drafter branches, then retriever branches.
+        Also says whether the drafter ran and whether a drafting pass ran (None: the
+        drafter has none)."""
+        pipeline, state = self.pipeline, self.state
+        tree = DraftTree.root_only(state.tokens[-1])
+        drafted = self.gate is None or self.gate.draft()
+        drafting_pass = None
+        if drafted:
+            drafting_pass = self.draft(tree)
+        first_tokens = [tree.tokens[child] for child in tree.children(0).values()]
+        tree.add_branches(pipeline.retriever.retrieve(state, first_tokens), source=RETRIEVER)
+        return tree, drafted, drafting_pass
+
+    def draft(self, tree: DraftTree) -> bool | None:
+        """Add the drafter's branches to ``tree``; says whether a drafting pass ran."""
         pipeline, state, runner = self.pipeline, self.state, self.pipeline.runner
         root_token = state.tokens[-1]
         inputs = DraftInputs(parent_hidden=self.parent_hidden)
+        drafting_pass = None
         if pipeline.drafter.needs_root_pass:
             view = pipeline.cache_policy.drafting_view(state)
-            root = runner.forward(torch.tensor([root_token]), view=view if view is not None else FullView(runner.store))
-            inputs = DraftInputs(parent_hidden=self.parent_hidden, root=root, root_exact=view is None)
-        tree = DraftTree.root_only(root_token)
+            # Over the whole context the pass computes what the verify forward computes
+            # for the root: with chosen trees it is run only over a partial view that pays.
+            drafting_pass = self.passes is None or (view is not None and self.passes.run_pass())
+            if drafting_pass:
+                root = runner.forward(torch.tensor([root_token]), view=view if view is not None else FullView(runner.store))
+                inputs = DraftInputs(parent_hidden=self.parent_hidden, root=root, root_exact=view is None)
         tree.add_branches(pipeline.drafter.propose(state, inputs))
-        first_tokens = [tree.tokens[child] for child in tree.children(0).values()]
-        tree.add_branches(pipeline.retriever.retrieve(state, first_tokens), source=RETRIEVER)
-        return tree
+        return drafting_pass
+
+    def choose(self, candidates: DraftTree) -> Choice | None:
+        """The candidates worth verifying (None: all of them, a fixed tree)."""
+        if self.tracker is None:
+            return None
+        max_nodes = self.pipeline.spec.speculation.max_nodes
+        return choose(candidates, self.tracker, self.costs, self.pipeline.runner.committed_length, max_nodes)
 
     def commit(self, tree: DraftTree, verdict: Verdict, hidden: torch.Tensor) -> tuple[list[int], list[int]]:
         """Keep the root and the accepted path in the KV, append the emitted tokens (cut

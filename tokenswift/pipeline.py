@@ -22,6 +22,7 @@ import torch
 
 from tokenswift import distributed
 from tokenswift.checkpoint import Checkpoint
+from tokenswift.costs import CostModel, calibration_for
 from tokenswift.decoding import Generation
 from tokenswift.detok import IncrementalDecoder
 from tokenswift.errors import SpecError
@@ -83,6 +84,7 @@ class Pipeline:
         self.retriever = registry.build("retriever", spec.retriever, context)
         self.drafter = registry.build("drafter", spec.drafter, context)
         self.components = (self.penalty, self.verifier, self.cache_policy, self.retriever, self.drafter)
+        self._costs: CostModel | None = None
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{kind}={self.spec.component(kind).name!r}" for kind in COMPONENT_KINDS)
@@ -214,6 +216,16 @@ class Pipeline:
                 f"available; lower max_new_tokens ({max_new_tokens}) or the cache budget"
             )
 
+    def costs(self) -> CostModel | None:
+        """This machine's costs for the model (measured on first use, then cached per
+        machine; see :mod:`tokenswift.costs`). None under torchrun, where every rank
+        must choose the same trees, so timings may not steer them."""
+        if distributed.launched():
+            return None
+        if self._costs is None:
+            self._costs = CostModel(calibration_for(self.runner, self.scorer))
+        return self._costs
+
     def max_tree_nodes(self) -> int:
         return 1 + sum(component.max_tree_nodes for component in self.components)
 
@@ -316,6 +328,7 @@ class Pipeline:
                 seconds=time.perf_counter() - run.started,
                 prefill_seconds=run.prefill_seconds,
                 finish_reason=run.finish_reason,
+                dtype=str(self.runner.dtype).removeprefix("torch."),
             ),
             seed=run.seed,
             prompt_tokens=run.prompt_ids,

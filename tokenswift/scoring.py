@@ -66,14 +66,20 @@ class NodeScores:
     then its ancestors below the root, then itself.
     """
 
-    def __init__(self, tree: DraftTree, hidden: torch.Tensor, runner, scorer: Scorer, committed: Sequence[int]) -> None:
+    def __init__(
+        self, tree: DraftTree, hidden: torch.Tensor, runner, scorer: Scorer, committed: Sequence[int], *, with_root: Sequence[int] = ()
+    ) -> None:
         # hidden: [len(tree), hidden_size], the verify forward's final-norm hidden states.
+        # with_root: nodes likely to be visited, whose LM-head rows are computed in one
+        # product with the root's (a few rows cost little more than one).
         self.tree = tree
         self.hidden = hidden
         self.runner = runner
         self.scorer = scorer
+        self.with_root = [node for node in with_root if node != 0]
         window = scorer.window
         self._tail = list(committed[-window:]) if window else []
+        self._logits: dict[int, torch.Tensor] = {}
         self._cache: dict[int, torch.Tensor] = {}
 
     def __len__(self) -> int:
@@ -87,8 +93,11 @@ class NodeScores:
         scores = self._cache.get(node)
         if scores is None:
             with torch.inference_mode():
-                logits = self.runner.logits(self.hidden[node : node + 1])  # [1, vocab]
-                scores = self.scorer(self.context(node), logits)[0]
+                if node not in self._logits:
+                    rows = [node, *self.with_root] if node == 0 else [node]
+                    for row, logits in zip(rows, self.runner.logits(self.hidden[rows])):  # [len(rows), vocab]
+                        self._logits.setdefault(row, logits)
+                scores = self.scorer(self.context(node), self._logits[node][None])[0]
                 broken = torch.isnan(scores).any() or torch.isposinf(scores).any() or torch.isneginf(scores).all()
             if broken:
                 raise NonFiniteScoresError(

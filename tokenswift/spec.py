@@ -143,6 +143,45 @@ class SamplingSpec:
         return {k: v for k, v in attrs.asdict(self).items() if v is not None and k != "greedy"}
 
 
+TREE_MODES = ("auto", "fixed")
+
+
+@attrs.frozen(kw_only=True)
+class SpeculationSpec:
+    """How each step's tree is chosen. ``tree = "auto"``: the candidates worth verifying
+    on this machine, by expected tokens per predicted second (possibly none: a plain
+    step); ``"fixed"``: every candidate, and the drafting pass every step (the paper's
+    setting, for ablations). ``max_nodes``: the most candidates verified in one step."""
+
+    tree: str = attrs.field(default="auto")
+    max_nodes: int = attrs.field(default=64)
+
+    @tree.validator
+    def _check_tree(self, _attribute, value):
+        if value not in TREE_MODES:
+            raise SpecError(f"speculation.tree must be one of {list(TREE_MODES)}, got {value!r}")
+
+    @max_nodes.validator
+    def _check_max_nodes(self, _attribute, value):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise SpecError(f"speculation.max_nodes must be an integer >= 0, got {value!r}")
+
+    @classmethod
+    def from_value(cls, value: Any) -> SpeculationSpec:
+        if isinstance(value, SpeculationSpec):
+            return value
+        if not isinstance(value, Mapping):
+            raise SpecError(f"[speculation] must be a table, got {value!r}")
+        valid = [f.name for f in attrs.fields(cls)]
+        unknown = sorted(set(value) - set(valid))
+        if unknown:
+            raise SpecError(f"[speculation] has unknown option(s) {unknown}; valid: {valid}")
+        return cls(**value)
+
+    def to_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
 ROPE_TYPES = ("yarn", "linear", "dynamic")
 
 
@@ -232,7 +271,7 @@ class ModelSpec:
 @attrs.frozen(kw_only=True)
 class PipelineSpec:
     """The whole pipeline: model (optional when a model object is passed in), the five
-    components and the sampling settings."""
+    components, the sampling settings and how trees are chosen."""
 
     model: ModelSpec | None = None
     drafter: ComponentSpec = ComponentSpec(name="none")
@@ -241,6 +280,7 @@ class PipelineSpec:
     verifier: ComponentSpec = ComponentSpec(name="tree-sampling")
     penalty: ComponentSpec = ComponentSpec(name="none")
     sampling: SamplingSpec = SamplingSpec()
+    speculation: SpeculationSpec = SpeculationSpec()
     preset: str | None = None
 
     def component(self, kind: str) -> ComponentSpec:
@@ -255,6 +295,7 @@ class PipelineSpec:
         for kind in COMPONENT_KINDS:
             out[kind] = self.component(kind).to_dict()
         out["sampling"] = self.sampling.to_dict()
+        out["speculation"] = self.speculation.to_dict()
         return out
 
     @classmethod
@@ -262,7 +303,7 @@ class PipelineSpec:
         """Build a spec from a dict; a ``preset`` key fills whatever is not given."""
         if not isinstance(data, Mapping):
             raise SpecError(f"a spec must be a table/dict, got {type(data).__name__}")
-        valid = ["preset", "model", *COMPONENT_KINDS, "sampling"]
+        valid = ["preset", "model", *COMPONENT_KINDS, "sampling", "speculation"]
         unknown = sorted(set(data) - set(valid))
         if unknown:
             raise SpecError(f"spec has unknown section(s) {unknown}; valid: {valid}")
@@ -284,6 +325,8 @@ class PipelineSpec:
                 kwargs[kind] = ComponentSpec.from_value(kind, merged[kind])
         if "sampling" in merged:
             kwargs["sampling"] = SamplingSpec.from_value(merged["sampling"])
+        if "speculation" in merged:
+            kwargs["speculation"] = SpeculationSpec.from_value(merged["speculation"])
         return cls(**kwargs)
 
 

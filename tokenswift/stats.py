@@ -48,6 +48,11 @@ class StepRecord:
     generated: int  # new tokens so far, these included
     seconds: float  # since generation start
     stage_seconds: dict[str, float] = attrs.field(factory=dict)  # this step's, per stage (STAGES)
+    candidates: int = 0  # nodes proposed below the root (tree_size of them verified)
+    drafting_pass: bool = False  # a drafting pass of the root ran
+    predicted_tokens: float | None = None  # expected tokens of the chosen tree (None: a fixed tree)
+    predicted_seconds: float | None = None  # its predicted forward + scoring time
+    forward_seconds: float = 0.0  # the verify forward's measured time
 
 
 @attrs.frozen(kw_only=True)
@@ -66,6 +71,14 @@ class GenerationStats:
     tokens_per_step_histogram: dict[int, int]
     stage_seconds: dict[str, float]
     finish_reason: str  # "length", "eos", "interrupted" or "non-finite scores" (text so far kept)
+    dtype: str = ""  # the model's dtype
+    candidate_tokens: int = 0  # nodes proposed below the root, summed over steps (proposed_tokens were verified)
+    drafting_passes: int = 0  # steps that ran a drafting pass
+    predicted_tokens: float = 0.0  # expected tokens of the chosen trees, summed over the steps that chose one
+    predicted_seconds: float = 0.0  # their predicted forward + scoring seconds
+    chosen_steps: int = 0  # steps whose tree was chosen by the cost model
+    chosen_tokens: int = 0  # tokens those steps emitted
+    forward_seconds: float = 0.0  # measured verify-forward seconds of those steps
 
     @property
     def decode_seconds(self) -> float:
@@ -94,6 +107,7 @@ class GenerationStats:
 
     def summary(self) -> dict[str, Any]:
         return {
+            "dtype": self.dtype,
             "prompt_tokens": self.prompt_tokens,
             "new_tokens": self.new_tokens,
             "steps": self.steps,
@@ -106,17 +120,41 @@ class GenerationStats:
             "finish_reason": self.finish_reason,
         }
 
+    def decisions(self) -> dict[str, Any]:
+        """How the chosen trees did: verified vs proposed nodes, predicted vs realised
+        tokens per step, predicted vs measured forward seconds per step."""
+        chosen = self.chosen_steps
+        return {
+            "candidates_per_step": round(self.candidate_tokens / self.steps, 2) if self.steps else 0.0,
+            "verified_per_step": round(self.proposed_tokens / self.steps, 2) if self.steps else 0.0,
+            "drafting_passes": self.drafting_passes,
+            "predicted_tokens_per_step": round(self.predicted_tokens / chosen, 3) if chosen else None,
+            "realised_tokens_per_step": round(self.chosen_tokens / chosen, 3) if chosen else None,
+            "predicted_ms_per_step": round(1000 * self.predicted_seconds / chosen, 2) if chosen else None,
+            "forward_ms_per_step": round(1000 * self.forward_seconds / chosen, 2) if chosen else None,
+        }
+
 
 class StatsCollector:
     """Totals over a generation's step records (a consumer of ``Generation.steps()``)."""
 
     def __init__(self) -> None:
         self.steps = self.proposed = self.accepted = self.retrieved = self.depth = 0
+        self.candidates = self.passes = self.chosen_steps = self.chosen_tokens = 0
+        self.predicted_tokens = self.predicted_seconds = self.forward_seconds = 0.0
         self.histogram: dict[int, int] = {}
         self.stage = dict.fromkeys(STAGES, 0.0)
 
     def __call__(self, record: StepRecord) -> None:
         self.steps += 1
+        self.candidates += record.candidates
+        self.passes += record.drafting_pass
+        if record.predicted_tokens is not None:
+            self.chosen_steps += 1
+            self.chosen_tokens += len(record.emitted)
+            self.predicted_tokens += record.predicted_tokens
+            self.predicted_seconds += record.predicted_seconds
+            self.forward_seconds += record.forward_seconds
         self.proposed += record.tree_size
         self.accepted += record.accepted
         self.retrieved += record.retrieved
@@ -126,7 +164,9 @@ class StatsCollector:
         for stage, seconds in record.stage_seconds.items():
             self.stage[stage] = self.stage.get(stage, 0.0) + seconds
 
-    def stats(self, *, prompt_tokens: int, new_tokens: int, seconds: float, prefill_seconds: float, finish_reason: str) -> GenerationStats:
+    def stats(
+        self, *, prompt_tokens: int, new_tokens: int, seconds: float, prefill_seconds: float, finish_reason: str, dtype: str = ""
+    ) -> GenerationStats:
         return GenerationStats(
             prompt_tokens=prompt_tokens,
             new_tokens=new_tokens,
@@ -140,4 +180,12 @@ class StatsCollector:
             tokens_per_step_histogram=dict(sorted(self.histogram.items())),
             stage_seconds=dict(self.stage),
             finish_reason=finish_reason,
+            dtype=dtype,
+            candidate_tokens=self.candidates,
+            drafting_passes=self.passes,
+            predicted_tokens=self.predicted_tokens,
+            predicted_seconds=self.predicted_seconds,
+            chosen_steps=self.chosen_steps,
+            chosen_tokens=self.chosen_tokens,
+            forward_seconds=self.forward_seconds,
         )

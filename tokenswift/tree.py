@@ -28,7 +28,7 @@ class Branch:
     chance it is accepted given that the tokens before it are)."""
 
     tokens: Sequence[int]
-    confidence: Sequence[float] | None = None
+    confidence: Sequence[float | None] | None = None
 
 
 @attrs.define(eq=False, repr=False)
@@ -78,7 +78,7 @@ class DraftTree:
         node = parent
         for i, token in enumerate(tokens):
             token = int(token)
-            value = None if confidence is None else float(confidence[i])
+            value = None if confidence is None or confidence[i] is None else float(confidence[i])
             child = self._children[node].get(token)
             if child is None:
                 child = len(self.tokens)

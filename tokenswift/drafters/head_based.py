@@ -1,5 +1,6 @@
 """The base of the drafters built on draft heads (``tokenswift``, ``medusa``): the
-heads, the options, and cutting the ranked candidates into the template's tree."""
+heads, the options, and cutting the ranked candidates into the template's tree, each
+candidate with its probability as the confidence that it is accepted."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from tokenswift.drafters import template
 from tokenswift.drafters.draft_heads import DraftHeads, find_shipped_heads
 from tokenswift.errors import SpecError
 from tokenswift.interfaces import Drafter
+from tokenswift.tree import Branch
 from tokenswift.validation import int_at_least
 
 logger = logging.getLogger(__name__)
@@ -30,6 +32,9 @@ def _seed(value):
     if isinstance(value, bool) or not isinstance(value, int):
         raise SpecError(f"drafter.seed must be an integer, got {value!r}")
     return value
+
+
+PARENT_TREE = [3, 3, 3]  # candidates of the heads on the parent's hidden state (no drafting pass)
 
 
 class HeadDrafter(Drafter):
@@ -90,13 +95,26 @@ class HeadDrafter(Drafter):
     def max_tree_nodes(self) -> int:
         return len(self.paths)
 
-    def _ranked(self, logits: torch.Tensor) -> list[list[int]]:
-        """logits: [depth, vocab] (one row per depth, deepest last) -> ranked tokens per depth."""
-        return [
-            row.topk(width).indices.tolist() for row, width in zip(logits[: len(self.widths)], self.widths)
-        ]
+    @staticmethod
+    def candidates(paths, widths, ranking: torch.Tensor, probs: torch.Tensor) -> list[Branch]:
+        """The template's branches from per-depth candidates: ``ranking`` [depth, vocab]
+        orders each depth's tokens, ``probs`` [depth, vocab] gives their confidences."""
+        tokens, confidences = [], []
+        for row, prob_row, width in zip(ranking, probs, widths):
+            top = row.topk(width).indices
+            tokens.append(top.tolist())
+            confidences.append(prob_row[top].tolist())
+        return template.branches(paths, tokens, confidences)
 
     @torch.inference_mode()
     def _head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [hidden_size] -> [num_heads, vocab]."""
-        return self.heads.logits(hidden, self.runner.lm_head)
+        """hidden: [hidden_size] -> [num_heads, vocab], the heads' logits (the model's LM head)."""
+        return self.runner.logits(self.heads(hidden))
+
+    def from_parent(self, parent_hidden: torch.Tensor | None, paths, widths) -> list[Branch]:
+        """Branches from the heads on the hidden state that gave the root token (head k
+        predicts depth k), with the heads' probabilities as confidences."""
+        if parent_hidden is None:
+            return []
+        logits = self._head_logits(parent_hidden)[: len(widths)]
+        return self.candidates(paths, widths, logits, logits.float().softmax(-1))

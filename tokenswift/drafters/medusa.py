@@ -7,7 +7,6 @@ predict the tokens after the root (head 1 -> depth 1, ...). No extra forward.
 
 from __future__ import annotations
 
-from tokenswift.drafters import template
 from tokenswift.drafters.head_based import HeadDrafter
 
 
@@ -22,6 +21,4 @@ class MedusaDrafter(HeadDrafter):
         return self.heads.num_heads
 
     def propose(self, state, inputs):
-        if inputs.parent_hidden is None:
-            return []
-        return template.branches(self.paths, self._ranked(self._head_logits(inputs.parent_hidden)))
+        return self.from_parent(inputs.parent_hidden, self.paths, self.widths)

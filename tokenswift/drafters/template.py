@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tokenswift.errors import SpecError
+from tokenswift.tree import Branch
 
 
 def _is_int(value) -> bool:
@@ -54,12 +55,22 @@ def depth_widths(paths: list[tuple[int, ...]]) -> list[int]:
     return [1 + max(p[d] for p in paths if len(p) > d) for d in range(depth)]
 
 
-def branches(paths: list[tuple[int, ...]], candidates: list[list[int]]) -> list[list[int]]:
-    """Token branches for ``paths`` given ``candidates[d]``, the ranked tokens of depth d+1.
-    Only leaf paths are returned (their prefixes are implied in the trie)."""
+def branches(paths: list[tuple[int, ...]], candidates: list[list[int]], confidences: list[list[float]] | None = None) -> list:
+    """Token branches for ``paths`` given ``candidates[d]``, the ranked tokens of depth
+    d+1 (and, optionally, ``confidences[d]``: their chances of acceptance, which make the
+    branches :class:`~tokenswift.tree.Branch` objects). Only leaf paths are returned
+    (their prefixes are implied in the trie)."""
     inner = {path[:-1] for path in paths}
     leaves = [path for path in paths if path not in inner]
-    return [[candidates[d][rank] for d, rank in enumerate(path)] for path in leaves]
+    if confidences is None:
+        return [[candidates[d][rank] for d, rank in enumerate(path)] for path in leaves]
+    return [
+        Branch(
+            tokens=[candidates[d][rank] for d, rank in enumerate(path)],
+            confidence=[confidences[d][rank] for d, rank in enumerate(path)],
+        )
+        for path in leaves
+    ]
 
 
 # -- tree files: a template saved beside the heads it was fitted for -----------------

@@ -48,20 +48,23 @@ class AttentionRecorder:
         self.probabilities[layer] = probs.view(kv_heads, q_heads // kv_heads, -1).sum(dim=1)
 
 
-def grouped_attention(query, key, value, mask, scaling: float) -> torch.Tensor:
+def grouped_attention(query, key, value, mask, scaling: float, plan=None) -> torch.Tensor:
     """SDPA with grouped KV heads and no copies of the keys/values.
 
     query: [1, q_heads, n, D]; key/value: [1, kv_heads, K, D] (may be strided views of
     the store); mask: [1, 1, n, K] bool or None. The query heads of each KV group are
     folded into the query-length dimension ([1, kv_heads, group * n, D]), so every KV
     head is read once and SDPA runs without ``enable_gqa`` (which is several times
-    slower on CPU) and without ``repeat_kv`` copies. Returns [1, n, q_heads, D].
+    slower on CPU) and without ``repeat_kv`` copies. With a ``plan``, the repeated mask
+    is built once per forward (:meth:`ForwardPlan.grouped_mask`). Returns [1, n, q_heads, D].
     """
     _, q_heads, n, dim = query.shape
     kv_heads = key.shape[1]
     group = q_heads // kv_heads
     packed = query.reshape(1, kv_heads, group * n, dim)  # heads of a group are consecutive
-    if mask is not None and group > 1:
+    if mask is not None and plan is not None:
+        mask = plan.grouped_mask(mask, group, query.dtype)
+    elif mask is not None and group > 1:
         mask = mask.expand(1, 1, n, mask.shape[-1]).repeat(1, 1, group, 1)
     out = F.scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(1, q_heads, n, dim).transpose(1, 2).contiguous()
@@ -82,7 +85,7 @@ def tokenswift_attention(module, query, key, value, attention_mask, dropout=0.0,
     implicit_causal = attention_mask is None and query.shape[2] > 1
     if implicit_causal or unsupported or query.shape[0] != 1 or (attention_mask is not None and attention_mask.dtype != torch.bool):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    return grouped_attention(query, key, value, attention_mask, scaling), None
+    return grouped_attention(query, key, value, attention_mask, scaling, plan), None
 
 
 _registered = False

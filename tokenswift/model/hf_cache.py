@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import attrs
+import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from tokenswift.model.kv import KVStore, KVView
@@ -33,6 +34,17 @@ class ForwardPlan:
     view: KVView
     dense: bool = False
     recorder: AttentionRecorder | None = None
+    _grouped_mask: torch.Tensor | None = attrs.field(default=None, init=False, repr=False)
+
+    def grouped_mask(self, mask: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+        """``mask`` ([1, 1, n, K] bool, the same in every layer) repeated for the ``group``
+        query heads of a KV head and made additive ([1, 1, group * n, K], 0 / -inf):
+        built once per forward instead of once per layer."""
+        if self._grouped_mask is None or self._grouped_mask.dtype != dtype:
+            n, keys = mask.shape[-2], mask.shape[-1]
+            allowed = mask.expand(1, 1, n, keys).repeat(1, 1, group, 1)
+            self._grouped_mask = torch.zeros(allowed.shape, dtype=dtype, device=mask.device).masked_fill_(~allowed, float("-inf"))
+        return self._grouped_mask
 
 
 class StoreLayer(CacheLayerMixin):

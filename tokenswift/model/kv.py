@@ -103,6 +103,14 @@ class KVStore:
         self.length += k
         self.staged = 0
 
+    def occupy(self, length: int) -> None:
+        """Treat positions ``[0, length)`` as committed whatever they hold (for timing
+        forwards at a context length without computing one)."""
+        if not 0 <= length < self.capacity:
+            raise ValueError(f"occupy: length must be in [0, {self.capacity}), got {length}")
+        self.length = length
+        self.staged = 0
+
     def truncate(self, length: int) -> None:
         """Forget committed positions from ``length`` on."""
         if not 0 <= length <= self.length:

@@ -14,6 +14,7 @@ go is decided in :mod:`tokenswift.model.kv` alone.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import attrs
@@ -23,6 +24,7 @@ from tokenswift.distributed import tensor_parallel_size
 from tokenswift.model.attention import AttentionRecorder, register_attention
 from tokenswift.model.hf_cache import PLAN_KWARG, ForwardPlan, StoreCache
 from tokenswift.model.kv import KVStore, KVView, Staging
+from tokenswift.model.linear import PackedLinears, packing_available
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +74,33 @@ class Runner:
         model.set_attn_implementation(register_attention())
         self.store: KVStore | None = None
         self.cache: StoreCache | None = None
+        self.packed_linears: PackedLinears | None = None  # see use_packed_linears
+        self.packed_from_rows: int | None = None
+        self.packed_lm_head = False
+
+    # -- how products are computed -------------------------------------------------
+
+    @property
+    def can_pack_linears(self) -> bool:
+        return self.tp_size == 1 and packing_available(self.dtype, self.device)
+
+    def use_packed_linears(self, from_rows: int | None, lm_head: bool = False) -> None:
+        """Run the model's linear layers through oneDNN packed weights (a copy of the
+        weights, shared by every runner of the model; see :mod:`tokenswift.model.linear`)
+        in forwards of at least ``from_rows`` tokens (None: never), and the LM head
+        (``lm_head``) whatever the rows."""
+        if (from_rows is not None or lm_head) and self.packed_linears is None:
+            if not self.can_pack_linears:
+                raise ValueError(f"packed linears need a float32 model on a CPU with oneDNN, not {self.dtype} on {self.device}")
+            self.packed_linears = PackedLinears.for_model(self.model)
+        self.packed_from_rows = from_rows
+        self.packed_lm_head = lm_head
+
+    def _products(self, rows: int):
+        """The context products of ``rows`` rows run in."""
+        if self.packed_from_rows is not None and rows >= self.packed_from_rows:
+            return self.packed_linears
+        return contextlib.nullcontext()
 
     @staticmethod
     def _active_sliding_window(config) -> int | None:
@@ -164,14 +193,15 @@ class Runner:
         plan = ForwardPlan(view=view, dense=n == 1, recorder=recorder)
         self.cache.plan = plan
         try:
-            out = self.decoder(
-                input_ids=tokens.view(1, n),
-                attention_mask=mask,
-                position_ids=positions,
-                cache=self.cache,
-                use_cache=True,
-                **{PLAN_KWARG: plan},
-            )
+            with self._products(n):
+                out = self.decoder(
+                    input_ids=tokens.view(1, n),
+                    attention_mask=mask,
+                    position_ids=positions,
+                    cache=self.cache,
+                    use_cache=True,
+                    **{PLAN_KWARG: plan},
+                )
         finally:
             self.cache.plan = None
         view.finish(store, n)
@@ -185,7 +215,9 @@ class Runner:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [m, hidden_size] final-norm states -> [m, vocab] logits in ``logits_dtype``."""
-        return self.lm_head(hidden).to(self.logits_dtype)
+        products = self.packed_linears if self.packed_lm_head else contextlib.nullcontext()
+        with products:
+            return self.lm_head(hidden).to(self.logits_dtype)
 
     def prefill(self, tokens: torch.Tensor, *, chunk_size: int = 512) -> torch.Tensor | None:
         """Forward a prompt in causal chunks and commit all of it. tokens: [n] long.

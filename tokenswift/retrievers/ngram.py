@@ -17,6 +17,7 @@ from collections import Counter, defaultdict
 import attrs
 
 from tokenswift.interfaces import Retriever
+from tokenswift.tree import Branch
 from tokenswift.validation import int_at_least
 
 
@@ -59,12 +60,24 @@ class NgramRetriever(Retriever):
 
     def continuations(self, key: int) -> list[tuple[int, ...]]:
         """The ``top_k`` most frequent continuations after ``key`` (ties: first seen)."""
+        return [c for c, _ in self._ranked(key)]
+
+    def _ranked(self, key: int) -> list[tuple[tuple[int, ...], float]]:
+        """The ``top_k`` most frequent continuations after ``key`` with their share of its n-grams."""
         counts = self.table.get(key)
         if not counts or self.options.top_k == 0:
             return []
-        return [c for c, _ in heapq.nlargest(self.options.top_k, counts.items(), key=lambda item: item[1])]
+        total = sum(counts.values())
+        top = heapq.nlargest(self.options.top_k, counts.items(), key=lambda item: item[1])
+        return [(c, count / total) for c, count in top]
 
     def retrieve(self, state, first_tokens):
+        # A continuation's first token is as likely as its share of the key's n-grams;
+        # the tokens after it get no estimate of their own (the pipeline learns one).
         if not first_tokens:
-            return [list(c) for c in self.continuations(state.tokens[-1])]
-        return [[key, *c] for key in first_tokens[: self.options.keys] for c in self.continuations(key)]
+            return [Branch(c, [share] + [None] * (len(c) - 1)) for c, share in self._ranked(state.tokens[-1])]
+        return [
+            Branch((key, *c), [None, share] + [None] * (len(c) - 1))
+            for key in first_tokens[: self.options.keys]
+            for c, share in self._ranked(key)
+        ]

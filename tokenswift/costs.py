@@ -1,0 +1,367 @@
+"""The machine's costs: what one forward and scoring one node take, here, for this model.
+
+Speculation pays only when a tree's expected tokens outweigh its cost, and the cost of
+a tree node differs by more than 5x between machines (a GPU verifies 100 nodes in the
+time of one; a CPU without native bfloat16 pays for each). So the costs are measured:
+:func:`calibrate` times the runner's verify forward for a range of new-token counts at
+two context lengths (the KV store's contents do not matter for timing, so nothing is
+prefilled), decides whether oneDNN packed linears are faster
+(:mod:`tokenswift.model.linear`), and times scoring one node (LM-head row, penalty,
+warpers, draw). The result, a :class:`Calibration`, is cached per machine + model shape
++ dtype + device + torch version in ``$TOKENSWIFT_CACHE/calibration/``.
+:class:`CostModel` interpolates it (linearly in context length, piecewise linearly in
+node count) and corrects itself from the forward times the run observes.
+
+Costs only choose which candidates are verified; they never change what is accepted.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from pathlib import Path
+
+import attrs
+import torch
+
+from tokenswift.model.kv import Staging
+from tokenswift.model.loading import cache_dir
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "tokenswift-calibration/1"
+NODE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+CONTEXTS = (256, 4096)
+BUDGET_SECONDS = 20.0  # what a calibration aims to take at most
+
+
+def machine_name(device: torch.device) -> str:
+    """The accelerator's name, or the CPU's model name with its bfloat16-relevant features."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and ":" in line:
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and ":" in line:
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    features = [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in flags]
+    return f"{name} [{' '.join(features)}]"
+
+
+def native_bfloat16(device: torch.device) -> bool:
+    """True where bfloat16 products of every shape run in hardware: CUDA, or a CPU with
+    AMX-BF16 or AVX512-BF16."""
+    if device.type == "cuda":
+        return True
+    return any(feature in machine_name(device) for feature in ("amx_bf16", "avx512_bf16"))
+
+
+def model_shape(runner) -> dict:
+    config = runner.config
+    return {
+        "model_type": getattr(config, "model_type", None),
+        "hidden_size": config.hidden_size,
+        "intermediate_size": getattr(config, "intermediate_size", None),
+        "layers": runner.num_layers,
+        "heads": config.num_attention_heads,
+        "kv_heads": runner.kv_heads,
+        "vocab": runner.vocab_size,
+    }
+
+
+def calibration_key(runner) -> str:
+    identity = {
+        "machine": machine_name(runner.device),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "device": runner.device.type,
+        "dtype": str(runner.dtype).removeprefix("torch."),
+        "model": model_shape(runner),
+        "format": FORMAT,
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@attrs.frozen(kw_only=True)
+class Calibration:
+    """Measured costs of one model shape + dtype + device on one machine."""
+
+    key: str
+    machine: str
+    torch: str
+    device: str
+    dtype: str
+    threads: int
+    packed_from_rows: int | None  # forwards of at least this many tokens use oneDNN packed linears (None: never)
+    packed_lm_head: bool  # the LM head (scoring, drafting) uses them
+    contexts: tuple[int, ...]
+    nodes: tuple[int, ...]  # new tokens per forward
+    forward_ms: tuple[tuple[float, ...], ...]  # [context][nodes], milliseconds (least of a few repeats)
+    score_ms: float  # scoring one node: LM-head row, penalty, warpers, draw
+    linears_ms: dict = attrs.field(factory=dict)  # the comparison, ms: forwards of 1/4/16 nodes and the LM head's row
+    seconds: float = 0.0  # how long the calibration took
+
+    def to_dict(self) -> dict:
+        return {"format": FORMAT, **attrs.asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Calibration:
+        data = dict(data)
+        if data.pop("format", None) != FORMAT:
+            raise ValueError("not a tokenswift calibration")
+        data["contexts"] = tuple(data["contexts"])
+        data["nodes"] = tuple(data["nodes"])
+        data["forward_ms"] = tuple(tuple(row) for row in data["forward_ms"])
+        return cls(**data)
+
+    def forward_seconds(self, nodes: int, context: int) -> float:
+        """Interpolated seconds of a verify forward of ``nodes`` new tokens over ``context`` positions."""
+        per_context = [_interpolate(self.nodes, row, nodes) for row in self.forward_ms]
+        if len(self.contexts) == 1:
+            return per_context[0] / 1000
+        (c0, c1), (t0, t1) = self.contexts[:2], per_context[:2]
+        slope = (t1 - t0) / (c1 - c0)
+        return max(t0 + slope * (context - c0), 0.05 * t0) / 1000
+
+    def table(self) -> str:
+        """A markdown table of the measured forward costs."""
+        head = "| context | " + " | ".join(f"{n} node{'s' if n > 1 else ''}" for n in self.nodes) + " |"
+        lines = [head, "|---|" + "---|" * len(self.nodes)]
+        for context, row in zip(self.contexts, self.forward_ms):
+            lines.append(f"| {context} | " + " | ".join(f"{ms:.1f}" for ms in row) + " |")
+        return "\n".join(lines)
+
+
+def _interpolate(xs, ys, x):
+    """Piecewise-linear through (xs, ys), extrapolated with the last segment's slope."""
+    if x <= xs[0]:
+        return ys[0]
+    i = min(bisect.bisect_left(xs, x), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def _least_ms(fn, repeats: int) -> float:
+    """The least of ``repeats`` timings of ``fn`` (after a warm-up), in milliseconds.
+    Interference on a shared machine only ever adds time, so the least of a few runs
+    estimates what the machine does undisturbed; :class:`CostModel` then scales the
+    curve to the conditions the run meets."""
+    fn()  # warm-up: allocators, oneDNN primitives for this shape
+    times = []
+    for _ in range(repeats):
+        _synchronize()
+        start = time.perf_counter()
+        fn()
+        _synchronize()
+        times.append(time.perf_counter() - start)
+    return 1000 * min(times)
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _chain_forward(runner, nodes: int, context: int):
+    """A forward of a ``nodes``-token chain over ``context`` committed positions."""
+    tokens = torch.zeros(nodes, dtype=torch.long)
+    mask = torch.ones(nodes, nodes, dtype=torch.bool).tril()
+    depths = torch.arange(nodes)
+
+    def run():
+        runner.store.occupy(context)
+        runner.forward(tokens, tree_mask=mask, depths=depths, logits_rows=None, view=Staging(runner.store))
+
+    return run
+
+
+def _interleaved_ms(variants: dict, repeats: int) -> dict:
+    """The least milliseconds of each variant (a ``(setup, run)`` pair) over
+    ``repeats`` rounds that run every variant once, so that a machine's drift falls on
+    all of them alike (see :func:`_least_ms` for why the least)."""
+    times: dict = {name: [] for name in variants}
+    for setup, run in variants.values():
+        setup()
+        run()  # warm-up
+    for _ in range(repeats):
+        for name, (setup, run) in variants.items():
+            setup()
+            _synchronize()
+            start = time.perf_counter()
+            run()
+            _synchronize()
+            times[name].append(time.perf_counter() - start)
+    return {name: 1000 * min(values) for name, values in times.items()}
+
+
+def _choose_linears(runner, context: int, repeats: int) -> tuple[int | None, bool, dict]:
+    """Where oneDNN packed linears are faster: (forwards from how many tokens, the LM
+    head, the measurements)."""
+    rows, measured = (1, 4, 16), {"default": [], "packed": []}
+    for n in rows:
+        forward = _chain_forward(runner, n, context)
+        ms = _interleaved_ms(
+            {
+                "default": (lambda: runner.use_packed_linears(None), forward),
+                "packed": (lambda: runner.use_packed_linears(1), forward),
+            },
+            repeats,
+        )
+        for name in measured:
+            measured[name].append(round(ms[name], 2))
+    faster = [p < d for p, d in zip(measured["packed"], measured["default"])]
+    packed_from_rows = None
+    for i, n in enumerate(rows):  # from the smallest row count after which packed stays faster
+        if all(faster[i:]):
+            packed_from_rows = n if i == 0 else rows[i - 1] + 1
+            break
+    hidden = torch.zeros(1, runner.config.hidden_size, dtype=runner.dtype, device=runner.device)
+    lm_ms = _interleaved_ms(
+        {
+            "default": (lambda: runner.use_packed_linears(None, False), lambda: runner.logits(hidden)),
+            "packed": (lambda: runner.use_packed_linears(None, True), lambda: runner.logits(hidden)),
+        },
+        repeats,
+    )
+    measured["lm_head_row"] = [round(lm_ms["default"], 2), round(lm_ms["packed"], 2)]
+    return packed_from_rows, lm_ms["packed"] < lm_ms["default"], measured
+
+
+def calibrate(runner, scorer, *, max_nodes: int = NODE_COUNTS[-1], progress=None) -> Calibration:
+    """Measure this machine's costs for ``runner``'s model (leaves its KV store empty)."""
+    started = time.perf_counter()
+    limit = int(getattr(runner.config, "max_position_embeddings", None) or CONTEXTS[-1] * 2)
+    contexts = tuple(sorted({min(c, max(limit // 2, 2)) for c in CONTEXTS}))
+    nodes = tuple(n for n in NODE_COUNTS if n <= max(max_nodes, 1))
+    runner.allocate(max(contexts) + max(nodes) + 1)
+    probe = _least_ms(_chain_forward(runner, 1, contexts[-1]), 1)
+    # One measurement of every (context, nodes) pair costs roughly this much:
+    sweep_ms = probe * len(contexts) * sum(1 + n / 16 for n in nodes)
+    repeats = max(1, min(5, int(BUDGET_SECONDS * 1000 / max(sweep_ms, 1e-3)) - 1))
+
+    packed_from_rows, packed_lm_head, linears_ms = None, False, {}
+    if runner.can_pack_linears:
+        packed_from_rows, packed_lm_head, linears_ms = _choose_linears(runner, contexts[-1], max(5, repeats))
+        runner.use_packed_linears(packed_from_rows, packed_lm_head)
+
+    forward_ms = []
+    for context in contexts:
+        ms = _interleaved_ms({n: (lambda: None, _chain_forward(runner, n, context)) for n in nodes}, repeats)
+        row = [ms[n] for n in nodes]
+        for i in range(1, len(row)):  # more nodes never cost less: what says so is noise
+            row[i] = max(row[i], row[i - 1])
+        forward_ms.append(tuple(round(t, 3) for t in row))
+        if progress is not None:
+            progress()
+    runner.store.reset()
+
+    from tokenswift.sampling import Sampler
+
+    sampler = Sampler(scorer.sampling.greedy, torch.Generator().manual_seed(0))
+    hidden = torch.zeros(1, runner.config.hidden_size, dtype=runner.dtype, device=runner.device)
+    context_ids = scorer.context(list(range(min(scorer.window, 64))), device=runner.device)
+    score_ms = _least_ms(lambda: sampler.draw(scorer(context_ids, runner.logits(hidden))[0]), max(3, repeats))
+    calibration = Calibration(
+        key=calibration_key(runner),
+        machine=machine_name(runner.device),
+        torch=torch.__version__,
+        device=runner.device.type,
+        dtype=str(runner.dtype).removeprefix("torch."),
+        threads=torch.get_num_threads(),
+        packed_from_rows=packed_from_rows,
+        packed_lm_head=packed_lm_head,
+        contexts=contexts,
+        nodes=nodes,
+        forward_ms=tuple(forward_ms),
+        score_ms=round(score_ms, 3),
+        linears_ms=linears_ms,
+        seconds=round(time.perf_counter() - started, 2),
+    )
+    logger.info(
+        "calibrated in %.1f s on %s (packed linears from %s rows, LM head %s)",
+        calibration.seconds, calibration.machine, packed_from_rows, "packed" if packed_lm_head else "default",
+    )
+    return calibration
+
+
+def calibration_path(key: str) -> Path:
+    return cache_dir() / "calibration" / f"{key}.json"
+
+
+def load_calibration(runner) -> Calibration | None:
+    """The cached calibration for this machine and model shape, if any."""
+    path = calibration_path(calibration_key(runner))
+    try:
+        return Calibration.from_dict(json.loads(path.read_text()))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        logger.warning("ignoring an unreadable calibration %s (%s)", path, exc)
+        return None
+
+
+def save_calibration(calibration: Calibration) -> Path | None:
+    path = calibration_path(calibration.key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(calibration.to_dict(), indent=2) + "\n")
+        tmp.replace(path)
+    except OSError as exc:
+        logger.warning("could not cache the calibration (%s); it will be measured again next time", exc)
+        return None
+    return path
+
+
+def calibration_for(runner, scorer, *, refresh: bool = False) -> Calibration:
+    """The cached calibration, or a new one (measured once, then cached); applies its
+    choice of linear backend to ``runner``."""
+    calibration = None if refresh else load_calibration(runner)
+    if calibration is None:
+        logger.warning("measuring this machine's forward costs once for %s (cached for next time)", runner.dtype)
+        calibration = calibrate(runner, scorer)
+        save_calibration(calibration)
+    if runner.can_pack_linears:
+        runner.use_packed_linears(calibration.packed_from_rows, calibration.packed_lm_head)
+    return calibration
+
+
+class CostModel:
+    """Predicted seconds of a step's parts: the calibration, corrected by what the run
+    observes (an exponential average of measured / predicted forward time, kept per
+    range of node counts, so a loaded or faster machine is followed within a few steps)."""
+
+    BUCKETS = (1, 2, 5, 17)  # node-count ranges [1], [2, 4], [5, 16], [17, ...)
+
+    def __init__(self, calibration: Calibration, *, smoothing: float = 0.1) -> None:
+        self.calibration = calibration
+        self.smoothing = smoothing
+        self._scale = [1.0] * len(self.BUCKETS)
+
+    def _bucket(self, nodes: int) -> int:
+        return bisect.bisect_right(self.BUCKETS, nodes) - 1
+
+    def forward_seconds(self, nodes: int, context: int) -> float:
+        return self.calibration.forward_seconds(nodes, context) * self._scale[self._bucket(nodes)]
+
+    @property
+    def score_seconds(self) -> float:
+        return self.calibration.score_ms / 1000 * self._scale[0]
+
+    def observe_forward(self, nodes: int, context: int, seconds: float) -> None:
+        predicted = self.calibration.forward_seconds(nodes, context)
+        if predicted <= 0 or seconds <= 0:
+            return
+        bucket = self._bucket(nodes)
+        ratio = min(max(seconds / predicted, 0.2), 5.0)  # one outlier (a page fault, a GC) moves it little
+        self._scale[bucket] += self.smoothing * (ratio - self._scale[bucket])

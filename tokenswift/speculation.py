@@ -1,0 +1,196 @@
+"""Choosing each step's tree: the candidates worth verifying on this machine, now.
+
+Every proposed node carries a confidence: its proposer's estimate that it is accepted
+once its parent is (the heads' and the drafting pass's own probabilities, an n-gram's
+share of its key's continuations). :class:`AcceptanceTracker` corrects those estimates
+with what verification really accepts, per source, depth and confidence, so a
+miscalibrated proposer cannot keep costing time. A node's chance of being accepted is
+then the product of the corrected confidences along its path, and a step that verifies
+the k likeliest nodes expects ``1 + (sum of their chances)`` tokens (the bonus token
+always comes). :func:`choose` keeps the k that maximises expected tokens per
+predicted second (:class:`~tokenswift.costs.CostModel`), k = 0 included: a plain
+autoregressive step. That is EAGLE-2's dynamic tree, sized by the measured cost curve
+as Sequoia sizes its trees.
+
+:class:`PassChooser` decides, for a drafter that drafts from a pass of the root over a
+*partial* KV view (``tokenswift`` on long contexts), whether that pass pays for itself,
+by the tokens per second the steps with and without it have realised. Over the whole
+context such a pass would compute exactly what the verify forward computes for the
+root, so it is never run there.
+
+None of this changes what is accepted: it only chooses what is proposed. Timings may
+change the trees between two runs with the same seed, never the tokens.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+
+import attrs
+
+from tokenswift.costs import CostModel
+from tokenswift.tree import DraftTree
+
+
+class AcceptanceTracker:
+    """Realised acceptance of verified nodes by (source, depth, confidence bin).
+
+    A node is *tried* when verification reaches its parent, and *accepted* when the
+    walk continues into it. The corrected confidence of a node is the bin's acceptance
+    rate shrunk towards the proposer's own estimate by ``prior`` pseudo-trials (or
+    towards its source and depth's rate, when it gave none).
+    """
+
+    BINS = (0.0, 0.01, 0.03, 0.1, 0.2, 0.35, 0.5, 0.7, 0.9)  # lower edges of the confidence bins
+    NO_ESTIMATE = -1  # the bin of nodes proposed without a confidence
+
+    def __init__(self, *, prior: float = 4.0, default: float = 0.05, max_depth: int = 8) -> None:
+        self.prior = prior
+        self.default = default
+        self.max_depth = max_depth
+        self.tried: dict[tuple[int, int, int], float] = defaultdict(float)
+        self.accepted: dict[tuple[int, int, int], float] = defaultdict(float)
+        self.tried_by_depth: dict[tuple[int, int], float] = defaultdict(float)
+        self.accepted_by_depth: dict[tuple[int, int], float] = defaultdict(float)
+
+    def _bin(self, confidence: float | None) -> int:
+        return self.NO_ESTIMATE if confidence is None else bisect.bisect_right(self.BINS, confidence) - 1
+
+    def depth_rate(self, source: int, depth: int) -> float:
+        key = (source, min(depth, self.max_depth))
+        return (self.accepted_by_depth[key] + self.prior * self.default) / (self.tried_by_depth[key] + self.prior)
+
+    def corrected(self, source: int, depth: int, confidence: float | None) -> float:
+        depth = min(depth, self.max_depth)
+        key = (source, depth, self._bin(confidence))
+        prior = self.depth_rate(source, depth) if confidence is None else min(max(confidence, 0.0), 1.0)
+        return (self.accepted[key] + self.prior * prior) / (self.tried[key] + self.prior)
+
+    def observe(self, tree: DraftTree, accepted: list[int]) -> None:
+        """Count every child of the root and of the accepted nodes as tried."""
+        taken = set(accepted)
+        for parent in [0, *accepted]:
+            for child in tree.children(parent).values():
+                source, depth = tree.sources[child], min(tree.depths[child], self.max_depth)
+                hit = 1.0 if child in taken else 0.0
+                key = (source, depth, self._bin(tree.confidence[child]))
+                self.tried[key] += 1
+                self.accepted[key] += hit
+                self.tried_by_depth[(source, depth)] += 1
+                self.accepted_by_depth[(source, depth)] += hit
+
+
+@attrs.frozen(kw_only=True)
+class Choice:
+    """keep: the node indices to verify (root first, every parent before its children);
+    chance: each kept node's chance of being accepted (same order); expected_tokens:
+    predicted tokens of the step; seconds: its predicted forward and scoring time."""
+
+    keep: list[int]
+    chance: list[float]
+    expected_tokens: float
+    seconds: float
+
+    def likely_path(self, tree: DraftTree, *, at_least: float = 0.25, longest: int = 3) -> list[int]:
+        """Positions in ``keep`` of the likeliest path below the root, as long as each
+        step of it is at least ``at_least`` likely (whose logits are worth computing
+        with the root's, in one product)."""
+        position = {node: i for i, node in enumerate(self.keep)}
+        path, node = [], 0
+        while len(path) < longest:
+            children = [position[c] for c in tree.children(node).values() if c in position]
+            if not children:
+                break
+            best = max(children, key=lambda i: self.chance[i])
+            if self.chance[best] < at_least:
+                break
+            path.append(best)
+            node = self.keep[best]
+        return path
+
+
+def chances(tree: DraftTree, tracker: AcceptanceTracker) -> list[float]:
+    """Each node's chance of being accepted (1 for the root): corrected confidences
+    multiplied along its path."""
+    chance = [1.0] * len(tree)
+    for node in range(1, len(tree)):  # parents come before their children
+        q = tracker.corrected(tree.sources[node], tree.depths[node], tree.confidence[node])
+        chance[node] = chance[tree.parents[node]] * q
+    return chance
+
+
+def choose(tree: DraftTree, tracker: AcceptanceTracker, costs: CostModel, context: int, max_nodes: int) -> Choice:
+    """The subtree of ``tree`` with the most expected tokens per predicted second of
+    verifying it over ``context`` committed positions (at most ``max_nodes`` nodes
+    below the root)."""
+    chance = chances(tree, tracker)
+    order = sorted(range(1, len(tree)), key=lambda node: (-chance[node], node))[:max_nodes]
+    best_k, expected = 0, 1.0
+    best_seconds = costs.forward_seconds(1, context) + costs.score_seconds
+    best_rate = expected / best_seconds
+    for k, node in enumerate(order, start=1):
+        expected += chance[node]
+        seconds = costs.forward_seconds(k + 1, context) + costs.score_seconds * expected
+        if expected / seconds > best_rate:
+            best_k, best_rate, best_seconds = k, expected / seconds, seconds
+    keep = [0, *sorted(order[:best_k])]
+    return Choice(
+        keep=keep,
+        chance=[chance[node] for node in keep],
+        expected_tokens=1.0 + sum(chance[node] for node in keep[1:]),
+        seconds=best_seconds,
+    )
+
+
+class DraftGate:
+    """Whether the drafter runs this step. It does as long as its candidates get
+    verified; after a step that verified none of them it waits 1, then 2, 4, ... up to
+    ``longest`` steps before trying again (computing drafts nobody verifies costs time
+    every step)."""
+
+    def __init__(self, *, longest: int = 32) -> None:
+        self.longest = longest
+        self.wait = 0
+        self.backoff = 1
+
+    def draft(self) -> bool:
+        if self.wait > 0:
+            self.wait -= 1
+            return False
+        return True
+
+    def observe(self, verified_drafts: int) -> None:
+        if verified_drafts > 0:
+            self.backoff = 1
+        else:
+            self.wait = self.backoff
+            self.backoff = min(2 * self.backoff, self.longest)
+
+
+class PassChooser:
+    """Whether a drafting pass over a partial view pays: the better of the two arms by
+    realised tokens per second (exponential averages), trying the other arm every
+    ``explore_every`` steps so that a change of regime is noticed."""
+
+    def __init__(self, *, explore_every: int = 16, smoothing: float = 0.2) -> None:
+        self.explore_every = explore_every
+        self.smoothing = smoothing
+        self.rate: dict[bool, float | None] = {True: None, False: None}
+        self.steps = 0
+
+    def run_pass(self) -> bool:
+        self.steps += 1
+        if self.rate[True] is None:
+            return True
+        if self.rate[False] is None:
+            return False
+        best = self.rate[True] >= self.rate[False]
+        return (not best) if self.steps % self.explore_every == 0 else best
+
+    def observe(self, ran_pass: bool, tokens: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        rate = tokens / seconds
+        old = self.rate[ran_pass]
+        self.rate[ran_pass] = rate if old is None else old + self.smoothing * (rate - old)
