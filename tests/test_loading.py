@@ -1,6 +1,7 @@
 """Model loading: local directories, GGUF files, packaged models, tiny configs, errors."""
 
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -25,11 +26,28 @@ def test_local_directory_with_tokenizer(tmp_path):
     model = tiny_model_for("llama-mha", "float32")
     model.save_pretrained(tmp_path)
     word_tokenizer().save_pretrained(tmp_path)
-    pipe = Pipeline.from_spec({"preset": "ar", "model": {"path": str(tmp_path)}, "sampling": {"greedy": True}})
+    spec = {"preset": "ar", "model": {"path": str(tmp_path), "dtype": "float32"}, "sampling": {"greedy": True}}
+    pipe = Pipeline.from_spec(spec)
     result = pipe.generate("the cat sat on the", 8, ignore_eos=True)
     assert len(result.tokens) == 8 and isinstance(result.text, str)
     direct = Pipeline.from_spec("ar", model, overrides={"sampling": {"greedy": True}})
     assert direct.generate([1, 2, 3, 4, 1], 8, ignore_eos=True).tokens == result.tokens
+
+
+def test_auto_dtype_is_measured_once_for_this_machine_and_tiny_models_stay_float32(tmp_path, monkeypatch):
+    from tokenswift.model import dtypes
+
+    monkeypatch.setenv("TOKENSWIFT_CACHE", str(tmp_path))
+    model = tiny_model_for("llama-mha", "float32")
+    model.save_pretrained(tmp_path / "m")
+    choice = dtypes.auto_dtype("cpu")
+    assert choice in ("float32", "bfloat16")
+    record = json.loads((tmp_path / "calibration" / "dtype.json").read_text())
+    assert record["choice"] == choice and set(record["one_row_ms"]) == {"float32", "bfloat16"}
+    monkeypatch.setattr(dtypes, "one_row_milliseconds", lambda dtype: pytest.fail("measured twice"))
+    pipe = Pipeline.from_spec({"preset": "ar", "model": {"path": str(tmp_path / "m")}})  # dtype "auto" by default
+    assert str(pipe.runner.dtype) == f"torch.{choice}"
+    assert Pipeline.from_spec({"preset": "ar", "model": {"tiny": TINY_CONFIGS["llama-mha"]}}).runner.dtype == torch.float32
 
 
 def test_missing_path_names_it(tmp_path):

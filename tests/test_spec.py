@@ -71,7 +71,7 @@ def test_toml_file(tmp_path, model):
         ({"preset": "ar", "samplign": {}}, r"unknown section\(s\) \['samplign'\]"),
         ({"preset": "ar", "penalty": {"value": 2}, "verifier": {"name": "greedy"}}, r"verifier 'greedy' needs sampling.greedy = true"),
         ({"preset": "ar", "drafter": {"heads": 3}}, r"\[drafter\] needs a 'name'|no option"),
-        ({"preset": "ar", "model": {"dtype": "int8", "path": "x"}}, r"model.dtype must be one of \['float32', 'bfloat16', 'float16', 'float64'\], got 'int8'"),
+        ({"preset": "ar", "model": {"dtype": "int8", "path": "x"}}, r"model.dtype must be one of \['auto', 'float32', 'bfloat16', 'float16', 'float64'\], got 'int8'"),
         ({"preset": "ar", "model": {"device": "tpu", "path": "x"}}, r"model.device must be one of"),
         ({"preset": "ar", "model": {"dtype": "float32"}}, r"exactly one of 'path'"),
     ],

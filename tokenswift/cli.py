@@ -17,6 +17,7 @@ from tokenswift.commands.bench import LONG_BENCH_ROPE, LONG_BENCH_TOKENS
 from tokenswift.errors import TokenswiftError
 
 EXIT_USAGE = 2
+DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float64"]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -35,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--spec", help="a TOML spec file")
     gen.add_argument("--model", help=f"model directory, .gguf file or packaged model (default {DEFAULT_MODEL!r})")
     gen.add_argument("--heads", help="directory of trained draft heads (for the tokenswift and medusa drafters)")
-    gen.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], help="model dtype (default: bfloat16)")
+    gen.add_argument("--dtype", choices=DTYPE_CHOICES, help="model dtype (default: auto, the fastest for this machine)")
     gen.add_argument("--device", help="model device: cpu, cuda or cuda:N (default: the spec's, else cpu)")
     prompt = gen.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help="prompt text")
@@ -59,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train-heads", help="train draft heads for a model on a JSON Lines corpus")
     train.add_argument("--model", default=DEFAULT_MODEL, help=f"model to train heads for (default {DEFAULT_MODEL!r})")
-    train.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default="bfloat16")
+    train.add_argument("--dtype", choices=DTYPE_CHOICES, default="bfloat16")
     train.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     train.add_argument("--data", required=True, help="JSON Lines file, one object with a 'text' key per line")
     train.add_argument("--out", required=True, help="directory for the heads, checkpoints and training.json")
@@ -80,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="fit the tokenswift drafter's tree to how its drafts are accepted; writes tree.json beside the heads",
     )
     fit.add_argument("--model", default=DEFAULT_MODEL)
-    fit.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default="bfloat16")
+    fit.add_argument("--dtype", choices=DTYPE_CHOICES, default="bfloat16")
     fit.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     fit.add_argument("--heads", default="auto", help="heads directory (default: the heads shipped for the model)")
     fit.add_argument("--nodes", type=int, default=40, help="tree nodes below the root (default 40, as [1,3,3,3])")
@@ -92,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmark transformers generate against the presets, side by side")
     bench.add_argument("--model", default=DEFAULT_MODEL)
-    bench.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default="bfloat16")
+    bench.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
     bench.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     bench.add_argument("--heads", default="auto", help="heads for the tokenswift and medusa presets")
     bench.add_argument("--prompt-tokens", type=int, default=2048)
@@ -109,11 +110,23 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--methods", help="comma-separated subset of: " + ", ".join(("hf-generate", "hf-prompt-lookup", "ar", "tokenswift", "medusa", "prompt-lookup")))
     bench.add_argument("--out", default="bench-out", help="directory for bench.json, bench.md and bench.png")
+    bench.add_argument(
+        "--interleaved", action="store_true",
+        help="presets decode in turns of 8 tokens on one model: speed ratios to ar that a noisy machine cannot fake, "
+        "with each preset's tree decisions (writes interleaved.json/.md)",
+    )
+    bench.add_argument("--seeds", type=int, nargs="+", help="with --interleaved: one comparison per seed, summed")
 
     ablate = sub.add_parser("ablate", help="sweep a grid of component choices and parameters")
     ablate.add_argument("--grid", required=True, help="grid TOML (base spec, axes or cells, prompt, seeds, lengths)")
     ablate.add_argument("--out", help="directory for ablation.csv/.md and plots (default: ablation-<grid name>)")
     ablate.add_argument("--new-tokens", type=int, help="override the grid's new_tokens (shorter runs)")
+
+    cal = sub.add_parser("calibrate", help="measure what forwards cost on this machine (cached; used to choose trees)")
+    cal.add_argument("--model", default=DEFAULT_MODEL, help=f"model to calibrate for (default {DEFAULT_MODEL!r})")
+    cal.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
+    cal.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    cal.add_argument("--show", action="store_true", help="show the cached calibration instead of measuring again")
 
     sub.add_parser("components", help="list registered components and presets")
     return parser
@@ -140,6 +153,10 @@ def _dispatch(args, argv) -> int:
         from tokenswift.commands import generate
 
         return generate.run(args)
+    if args.command == "calibrate":
+        from tokenswift.commands import calibrate
+
+        return calibrate.run(args)
     if args.command == "components":
         from tokenswift.commands import components
 

@@ -22,15 +22,15 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import time
 from pathlib import Path
 
 import attrs
 import torch
 
+from tokenswift.machine import machine_name
 from tokenswift.model.kv import Staging
-from tokenswift.model.loading import cache_dir
+from tokenswift.paths import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -38,32 +38,7 @@ FORMAT = "tokenswift-calibration/1"
 NODE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 CONTEXTS = (256, 4096)
 BUDGET_SECONDS = 20.0  # what a calibration aims to take at most
-
-
-def machine_name(device: torch.device) -> str:
-    """The accelerator's name, or the CPU's model name with its bfloat16-relevant features."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    name, flags = platform.processor() or platform.machine(), set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and ":" in line:
-                name = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and ":" in line:
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    features = [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in flags]
-    return f"{name} [{' '.join(features)}]"
-
-
-def native_bfloat16(device: torch.device) -> bool:
-    """True where bfloat16 products of every shape run in hardware: CUDA, or a CPU with
-    AMX-BF16 or AVX512-BF16."""
-    if device.type == "cuda":
-        return True
-    return any(feature in machine_name(device) for feature in ("amx_bf16", "avx512_bf16"))
+EXPENSIVE = 6.0  # forwards costing more than this many one-token forwards are not measured
 
 
 def model_shape(runner) -> dict:
@@ -158,7 +133,7 @@ def _least_ms(fn, repeats: int) -> float:
     curve to the conditions the run meets."""
     fn()  # warm-up: allocators, oneDNN primitives for this shape
     times = []
-    for _ in range(repeats):
+    for _ in range(max(repeats, 1)):
         _synchronize()
         start = time.perf_counter()
         fn()
@@ -242,11 +217,17 @@ def calibrate(runner, scorer, *, max_nodes: int = NODE_COUNTS[-1], progress=None
     started = time.perf_counter()
     limit = int(getattr(runner.config, "max_position_embeddings", None) or CONTEXTS[-1] * 2)
     contexts = tuple(sorted({min(c, max(limit // 2, 2)) for c in CONTEXTS}))
-    nodes = tuple(n for n in NODE_COUNTS if n <= max(max_nodes, 1))
-    runner.allocate(max(contexts) + max(nodes) + 1)
-    probe = _least_ms(_chain_forward(runner, 1, contexts[-1]), 1)
-    # One measurement of every (context, nodes) pair costs roughly this much:
-    sweep_ms = probe * len(contexts) * sum(1 + n / 16 for n in nodes)
+    runner.allocate(max(contexts) + max(NODE_COUNTS) + 1)
+    # Node counts beyond the point where a forward costs EXPENSIVE x a one-token forward
+    # are never worth verifying; the curve is extrapolated past the last one measured.
+    one = _least_ms(_chain_forward(runner, 1, contexts[-1]), 1)
+    nodes = [1]
+    for n in NODE_COUNTS[1:]:
+        if n > max(max_nodes, 1) or _least_ms(_chain_forward(runner, n, contexts[-1]), 0) > EXPENSIVE * one:
+            break
+        nodes.append(n)
+    nodes = tuple(nodes)
+    sweep_ms = one * len(contexts) * sum(1 + n / 16 for n in nodes)  # one round, roughly
     repeats = max(1, min(5, int(BUDGET_SECONDS * 1000 / max(sweep_ms, 1e-3)) - 1))
 
     packed_from_rows, packed_lm_head, linears_ms = None, False, {}

@@ -82,7 +82,7 @@ class Generation:
         auto = pipeline.spec.speculation.tree == "auto" and self.costs is not None
         self.tracker = AcceptanceTracker() if auto else None
         self.passes = PassChooser() if auto else None
-        self.gate = DraftGate() if auto else None
+        self.gates = {DRAFTER: DraftGate(), RETRIEVER: DraftGate()} if auto else None
         # What a checkpoint resumes from: committed tokens and the generator after their draws.
         self._committed = (len(self.state.tokens), generator.get_state())
         self._prefilled = finish_reason is not None  # a finished checkpoint needs no forward
@@ -132,11 +132,11 @@ class Generation:
         clock = StageClock(runner.device)
         while state.generated < self.max_new_tokens and self.finish_reason == "length":
             clock.start()
-            candidates, drafted, drafting_pass = self.propose()
-            choice = self.choose(candidates)
+            candidates, proposers, drafting_pass = self.propose()
+            choice = self.choose(candidates, proposers)
             tree = candidates if choice is None else candidates.subtree(choice.keep)
-            if drafted and self.gate is not None:
-                self.gate.observe(sum(1 for source in tree.sources[1:] if source == DRAFTER))
+            for source in proposers if self.gates is not None else ():
+                self.gates[source].observe(sum(1 for s in tree.sources[1:] if s == source))
             clock.lap("propose")
             output = runner.forward(tree.token_tensor(), tree_mask=tree.mask(), depths=tree.depth_tensor(), logits_rows=None)
             likely = choice.likely_path(candidates) if choice is not None else ()
@@ -175,19 +175,19 @@ class Generation:
                 forward_seconds=forward_seconds,
             )
 
-    def propose(self) -> tuple[DraftTree, bool, bool | None]:
-        """The candidates of the next step: drafter branches, then retriever branches.
-        Also says whether the drafter ran and whether a drafting pass ran (None: the
-        drafter has none)."""
+    def propose(self) -> tuple[DraftTree, list[int], bool | None]:
+        """The candidates of the next step: drafter branches, then retriever branches
+        (each unless its gate is closed: its drafts have been going unverified). Also
+        says which of the two proposed, and whether a drafting pass ran (None: none
+        was considered)."""
         pipeline, state = self.pipeline, self.state
         tree = DraftTree.root_only(state.tokens[-1])
-        drafted = self.gate is None or self.gate.draft()
-        drafting_pass = None
-        if drafted:
-            drafting_pass = self.draft(tree)
-        first_tokens = [tree.tokens[child] for child in tree.children(0).values()]
-        tree.add_branches(pipeline.retriever.retrieve(state, first_tokens), source=RETRIEVER)
-        return tree, drafted, drafting_pass
+        proposers = [source for source in (DRAFTER, RETRIEVER) if self.gates is None or self.gates[source].draft()]
+        drafting_pass = self.draft(tree) if DRAFTER in proposers else None
+        if RETRIEVER in proposers:
+            first_tokens = [tree.tokens[child] for child in tree.children(0).values()]
+            tree.add_branches(pipeline.retriever.retrieve(state, first_tokens), source=RETRIEVER)
+        return tree, proposers, drafting_pass
 
     def draft(self, tree: DraftTree) -> bool | None:
         """Add the drafter's branches to ``tree``; says whether a drafting pass ran."""
@@ -206,12 +206,13 @@ class Generation:
         tree.add_branches(pipeline.drafter.propose(state, inputs))
         return drafting_pass
 
-    def choose(self, candidates: DraftTree) -> Choice | None:
+    def choose(self, candidates: DraftTree, proposers: list[int]) -> Choice | None:
         """The candidates worth verifying (None: all of them, a fixed tree)."""
         if self.tracker is None:
             return None
         max_nodes = self.pipeline.spec.speculation.max_nodes
-        return choose(candidates, self.tracker, self.costs, self.pipeline.runner.committed_length, max_nodes)
+        explore = tuple(source for source in proposers if self.gates[source].exploring) if max_nodes else ()
+        return choose(candidates, self.tracker, self.costs, self.pipeline.runner.committed_length, max_nodes, explore=explore)
 
     def commit(self, tree: DraftTree, verdict: Verdict, hidden: torch.Tensor) -> tuple[list[int], list[int]]:
         """Keep the root and the accepted path in the KV, append the emitted tokens (cut

@@ -24,7 +24,7 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 COMPONENT_KINDS = ("drafter", "retriever", "cache", "verifier", "penalty")
-DTYPES = ("float32", "bfloat16", "float16", "float64")
+DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 DEVICES = ("cpu", "cuda")
 
 
@@ -233,13 +233,14 @@ class ModelSpec:
 
     ``path``: a local transformers directory, a ``.gguf`` file, or the name of a
     packaged model (``smollm2``). ``tiny``: a config dict for a random model (tests,
-    docs), with ``seed``. ``dtype``/``device`` apply to all.
+    docs), with ``seed``. ``dtype``/``device`` apply to all; ``dtype = "auto"`` is
+    the fastest for this machine (:mod:`tokenswift.model.dtypes`).
     """
 
     path: str | None = attrs.field(default=None, converter=_optional(os.fspath))
     tiny: dict[str, Any] | None = attrs.field(default=None, hash=False)
     seed: int = attrs.field(default=0, converter=int)
-    dtype: str = attrs.field(default="float32", validator=lambda i, a, v: _dtype(v))
+    dtype: str = attrs.field(default="auto", validator=lambda i, a, v: _dtype(v))
     device: str = attrs.field(default="cpu", validator=lambda i, a, v: _device(v))
     # RoPE-scaling override for runs past the trained context, e.g. {type = "yarn", factor = 16}.
     rope: dict[str, Any] | None = attrs.field(default=None, converter=lambda v: _rope(v), hash=False)

@@ -120,21 +120,34 @@ def chances(tree: DraftTree, tracker: AcceptanceTracker) -> list[float]:
     return chance
 
 
-def choose(tree: DraftTree, tracker: AcceptanceTracker, costs: CostModel, context: int, max_nodes: int) -> Choice:
+def choose(
+    tree: DraftTree, tracker: AcceptanceTracker, costs: CostModel, context: int, max_nodes: int, *, explore: tuple[int, ...] = ()
+) -> Choice:
     """The subtree of ``tree`` with the most expected tokens per predicted second of
     verifying it over ``context`` committed positions (at most ``max_nodes`` nodes
-    below the root)."""
+    below the root). For every source in ``explore``, its likeliest depth-1 candidate
+    is verified whatever it costs: the only way to learn that a proposer the tracker
+    doubts has become right."""
+    best_seconds = costs.forward_seconds(1, context) + costs.score_seconds
+    if len(tree) == 1:
+        return Choice(keep=[0], chance=[1.0], expected_tokens=1.0, seconds=best_seconds)
     chance = chances(tree, tracker)
     order = sorted(range(1, len(tree)), key=lambda node: (-chance[node], node))[:max_nodes]
     best_k, expected = 0, 1.0
-    best_seconds = costs.forward_seconds(1, context) + costs.score_seconds
     best_rate = expected / best_seconds
     for k, node in enumerate(order, start=1):
         expected += chance[node]
         seconds = costs.forward_seconds(k + 1, context) + costs.score_seconds * expected
         if expected / seconds > best_rate:
             best_k, best_rate, best_seconds = k, expected / seconds, seconds
-    keep = [0, *sorted(order[:best_k])]
+    kept = set(order[:best_k])
+    for source in explore:
+        firsts = [node for node in tree.children(0).values() if tree.sources[node] == source]
+        if firsts and not kept.intersection(firsts):
+            kept.add(max(firsts, key=lambda node: (chance[node], -node)))
+    keep = [0, *sorted(kept)]
+    if len(keep) - 1 != best_k:
+        best_seconds = costs.forward_seconds(len(keep), context) + costs.score_seconds * (1 + sum(chance[n] for n in keep[1:]))
     return Choice(
         keep=keep,
         chance=[chance[node] for node in keep],
@@ -144,15 +157,21 @@ def choose(tree: DraftTree, tracker: AcceptanceTracker, costs: CostModel, contex
 
 
 class DraftGate:
-    """Whether the drafter runs this step. It does as long as its candidates get
-    verified; after a step that verified none of them it waits 1, then 2, 4, ... up to
-    ``longest`` steps before trying again (computing drafts nobody verifies costs time
-    every step)."""
+    """Whether a proposer (the drafter, the retriever) runs this step. It does as long
+    as its candidates get verified; after a step that verified none of them it waits 1,
+    then 2, 4, ... up to ``longest`` steps before trying again (proposing what nobody
+    verifies costs time every step)."""
 
-    def __init__(self, *, longest: int = 32) -> None:
+    def __init__(self, *, longest: int = 128) -> None:
         self.longest = longest
         self.wait = 0
         self.backoff = 1
+
+    @property
+    def exploring(self) -> bool:
+        """The proposer's last candidates went unverified: its next step should verify
+        its likeliest one anyway (see :func:`choose`)."""
+        return self.backoff > 1
 
     def draft(self) -> bool:
         if self.wait > 0:

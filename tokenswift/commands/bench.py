@@ -12,6 +12,8 @@ LONG_BENCH_ROPE = "yarn:2"
 
 
 def run(args) -> int:
+    if args.interleaved:
+        return run_interleaved(args)
     from tqdm import tqdm
 
     from tokenswift.tools.bench import HF_METHODS, PRESET_METHODS, BenchConfig, markdown_table, run_bench, write_reports
@@ -49,4 +51,53 @@ def run(args) -> int:
     paths = write_reports(results, info, args.out)
     print(markdown_table(results), end="")
     print(f"wrote {', '.join(str(p) for p in paths.values())}", file=sys.stderr)
+    return 0
+
+
+def run_interleaved(args) -> int:
+    """``bench --interleaved``: presets decoding in turns; ratios to ar."""
+    import json
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from tokenswift.model.loading import check_device, load_model
+    from tokenswift.prompts import prompt_ids
+    from tokenswift.spec import ModelSpec
+    from tokenswift.tools.bench import PRESET_METHODS
+    from tokenswift.tools.interleaved import compare_presets, markdown
+
+    presets = list(PRESET_METHODS)
+    if args.methods:
+        presets = [m.strip() for m in args.methods.split(",") if m.strip()]
+        unknown = [m for m in presets if m not in PRESET_METHODS]
+        if unknown:
+            raise CliError(f"--interleaved compares presets; unknown {unknown}; valid: {list(PRESET_METHODS)}")
+    new_tokens = 1024 if args.quick else args.new_tokens
+    if new_tokens <= 0 or args.prompt_tokens <= 0:
+        raise CliError("--new-tokens and --prompt-tokens must be positive")
+    seeds = args.seeds if args.seeds else [args.seed]
+    ModelSpec(path=args.model, dtype=args.dtype, device=args.device)  # bad values fail here, before any output
+    check_device(args.device)
+    model, tokenizer = load_model(ModelSpec(path=args.model, dtype=args.dtype, device=args.device))
+    prompt = prompt_ids(tokenizer, args.prompt_tokens)
+    names = ["ar", *[p for p in presets if p != "ar"]]
+    bar = tqdm(total=new_tokens * len(names) * len(seeds), unit="tok", file=sys.stderr, dynamic_ncols=True)
+    report = compare_presets(model, tokenizer, names, prompt, new_tokens, seeds=seeds, greedy=args.greedy, heads=args.heads,
+                             progress=lambda name, count: bar.update(count))
+    bar.close()
+    from tokenswift.machine import machine_name
+
+    report["config"] = {
+        "model": args.model, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "device": args.device,
+        "machine": machine_name(next(model.parameters()).device), "prompt_tokens": args.prompt_tokens,
+        "new_tokens": new_tokens, "seeds": seeds, "greedy": args.greedy,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "interleaved.json").write_text(json.dumps(report, indent=2) + "\n")
+    table = markdown(report)
+    (out / "interleaved.md").write_text(table)
+    print(table, end="")
+    print(f"{report['config']['machine']}, {report['config']['dtype']}; wrote {out / 'interleaved.json'} and interleaved.md", file=sys.stderr)
     return 0

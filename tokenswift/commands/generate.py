@@ -31,7 +31,7 @@ def _spec_and_overrides(args):
         spec = {"preset": args.preset or DEFAULT_PRESET}
     model = dict(spec.get("model") or {})
     if args.model or not model:
-        model = {"path": args.model or DEFAULT_MODEL, "dtype": model.get("dtype", "bfloat16")}
+        model = {"path": args.model or DEFAULT_MODEL, "dtype": model.get("dtype", "auto")}
     if args.dtype:
         model["dtype"] = args.dtype
     if args.device:

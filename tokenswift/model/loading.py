@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -20,6 +19,8 @@ import attrs
 import torch
 
 from tokenswift import distributed
+from tokenswift.model.dtypes import auto_dtype
+from tokenswift.paths import cache_dir
 from tokenswift.errors import ModelLoadError
 from tokenswift.spec import ModelSpec
 
@@ -60,6 +61,7 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
 
 
 def resolve_dtype(name: str) -> torch.dtype:
+    """A dtype name as torch's dtype (``"auto"`` is resolved by :func:`load_model`)."""
     try:
         return DTYPES[name]
     except KeyError:
@@ -149,11 +151,6 @@ def _load_pretrained(directory: Path, dtype: torch.dtype, gguf_file: str | None,
     return model, tokenizer
 
 
-def cache_dir() -> Path:
-    """Where converted models are kept: ``$TOKENSWIFT_CACHE`` or ``~/.cache/tokenswift``."""
-    return Path(os.environ.get("TOKENSWIFT_CACHE", Path.home() / ".cache" / "tokenswift"))
-
-
 CONVERTED_DTYPE = "float32"  # dequantized GGUF weights are exact in it; other dtypes are cast at load
 
 
@@ -223,12 +220,13 @@ def load_model(spec: ModelSpec):
     its tensor-parallel plan (see :mod:`tokenswift.distributed`); a ``tiny`` model is
     built whole on every rank."""
     device = check_device(spec.device)
-    dtype = resolve_dtype(spec.dtype)
     distributed.init(device)
     if spec.tiny is not None:
         if distributed.launched():
             logger.info("tiny models are not split over ranks; every rank runs the whole model")
-        return tiny_model(spec.tiny, seed=spec.seed, dtype=spec.dtype, device=spec.device, rope=spec.rope), None
+        dtype_name = "float32" if spec.dtype == "auto" else spec.dtype
+        return tiny_model(spec.tiny, seed=spec.seed, dtype=dtype_name, device=spec.device, rope=spec.rope), None
+    dtype = resolve_dtype(auto_dtype(device) if spec.dtype == "auto" else spec.dtype)
     gguf_file = None
     if spec.path in PACKAGED_MODELS:
         path = PACKAGED_MODELS[spec.path].locate()

@@ -33,7 +33,7 @@ BLOCK = 1000
 @attrs.frozen(kw_only=True)
 class BenchConfig:
     model: str = "smollm2"
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     device: str = "cpu"
     rope: dict | None = None  # RoPE-scaling override, for runs past the trained context
     heads: str = "auto"

@@ -4,7 +4,8 @@ On a shared machine the speed of a core drifts by tens of percent within a minut
 two methods timed one after the other can differ by more than any effect of the
 methods themselves. Here every pipeline decodes the same prompt with the same seed,
 in turns of ``turn_tokens`` tokens, all in one process on one model: drift falls on
-every method alike, and the ratio of their decode speeds is what the methods do.
+every method alike, and the ratio of their decode speeds is what the methods do. The
+order of the turns is reversed every round, so no method always follows another.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def run_interleaved(
     new_tokens: int,
     *,
     seed: int = 0,
-    turn_tokens: int = 32,
+    turn_tokens: int = 8,
     progress: Callable[[str, int], None] | None = None,
 ) -> dict[str, InterleavedResult]:
     """Decode ``new_tokens`` after ``prompt`` with every pipeline, in turns."""
@@ -47,9 +48,10 @@ def run_interleaved(
         run = pipe.start(prompt, new_tokens, seed=seed, ignore_eos=True)
         run.prefill()
         runs[name], steps[name], collectors[name], seconds[name] = run, run.steps(), StatsCollector(), 0.0
-    active = list(runs)
+    active, rounds = list(runs), 0
     while active:
-        for name in list(active):
+        rounds += 1
+        for name in list(active if rounds % 2 else reversed(active)):
             run, target = runs[name], min(new_tokens, len(runs[name].new_tokens) + turn_tokens)
             started = time.perf_counter()
             while len(run.new_tokens) < target:
@@ -79,3 +81,68 @@ def run_interleaved(
             tokens=list(run.new_tokens),
         )
     return results
+
+
+def compare_presets(
+    model,
+    tokenizer,
+    presets: list[str],
+    prompt: list[int],
+    new_tokens: int,
+    *,
+    seeds: list[int],
+    greedy: bool = False,
+    heads: str = "auto",
+    progress: Callable[[str, int], None] | None = None,
+) -> dict:
+    """Every preset (``ar`` first, the reference) in turns with the others, once per
+    seed; returns a JSON-ready report with each preset's decode tokens/s summed over
+    the seeds and its ratio to ``ar``."""
+    from tokenswift import Pipeline
+
+    names = ["ar", *[p for p in presets if p != "ar"]]
+    overrides = {"sampling": {"greedy": True}} if greedy else {}
+    totals = {name: {"tokens": 0, "seconds": 0.0, "steps_tokens": []} for name in names}
+    per_seed = []
+    for seed in seeds:
+        pipes = {}
+        for name in names:
+            spec_overrides = dict(overrides)
+            if name in ("tokenswift", "medusa"):
+                spec_overrides["drafter"] = {"heads": heads}
+            pipes[name] = Pipeline.from_spec(name, model, tokenizer, overrides=spec_overrides)
+        results = run_interleaved(pipes, prompt, new_tokens, seed=seed, progress=progress)
+        per_seed.append({
+            "seed": seed,
+            **{name: {**attrs.asdict(r, filter=lambda a, _: a.name != "tokens"), "ratio_to_ar": round(r.ratio_to(results["ar"]), 3),
+                      "same_tokens_as_ar": r.tokens == results["ar"].tokens} for name, r in results.items()},
+        })
+        for name, r in results.items():
+            totals[name]["tokens"] += r.new_tokens
+            totals[name]["seconds"] += r.decode_seconds
+            totals[name]["steps_tokens"].append(r.tokens_per_step)
+    speed = {name: t["tokens"] / t["seconds"] if t["seconds"] else 0.0 for name, t in totals.items()}
+    summary = {
+        name: {
+            "tokens_per_second": round(speed[name], 3),
+            "ratio_to_ar": round(speed[name] / speed["ar"], 3) if speed["ar"] else None,
+            "tokens_per_step": round(sum(t["steps_tokens"]) / len(t["steps_tokens"]), 3),
+        }
+        for name, t in totals.items()
+    }
+    return {"summary": summary, "per_seed": per_seed}
+
+
+def markdown(report: dict) -> str:
+    lines = ["| preset | decode tok/s | vs ar | tok/step | verified / proposed nodes per step | predicted / realised tok/step |",
+             "|---|---|---|---|---|---|"]
+    for name, row in report["summary"].items():
+        decisions = [seed[name]["decisions"] for seed in report["per_seed"]]
+        verified = sum(d["verified_per_step"] for d in decisions) / len(decisions)
+        proposed = sum(d["candidates_per_step"] for d in decisions) / len(decisions)
+        predicted = [d["predicted_tokens_per_step"] for d in decisions if d["predicted_tokens_per_step"] is not None]
+        realised = [d["realised_tokens_per_step"] for d in decisions if d["realised_tokens_per_step"] is not None]
+        guess = f"{sum(predicted) / len(predicted):.3f} / {sum(realised) / len(realised):.3f}" if predicted else "– (fixed trees)"
+        lines.append(f"| {name} | {row['tokens_per_second']} | {row['ratio_to_ar']} | {row['tokens_per_step']} | "
+                     f"{verified:.2f} / {proposed:.2f} | {guess} |")
+    return "\n".join(lines) + "\n"

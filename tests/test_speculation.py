@@ -1,0 +1,194 @@
+"""Choosing each step's tree: the cost model, corrected confidences, the choice, and
+that none of it changes what is emitted."""
+
+import json
+
+import pytest
+
+from tokenswift import Pipeline, SpecError
+from tokenswift.costs import Calibration, CostModel, calibrate, calibration_for, load_calibration
+from tokenswift.speculation import AcceptanceTracker, DraftGate, PassChooser, choose
+from tokenswift.testing import assert_lossless, looping_model, tiny_model_for
+from tokenswift.tree import DRAFTER, RETRIEVER, Branch, DraftTree
+
+
+def calibration(per_node_ms: float, *, base_ms: float = 10.0, score_ms: float = 0.5) -> Calibration:
+    """A made-up machine where each extra node costs ``per_node_ms``."""
+    nodes = (1, 2, 4, 8, 16, 32, 64)
+    row = tuple(base_ms + per_node_ms * (n - 1) for n in nodes)
+    return Calibration(
+        key="test", machine="test", torch="test", device="cpu", dtype="float32", threads=1,
+        packed_from_rows=None, packed_lm_head=False, contexts=(64, 1024), nodes=nodes,
+        forward_ms=(row, tuple(t + 5 for t in row)), score_ms=score_ms,
+    )
+
+
+def tree_with(chances):
+    """A root with one child per given confidence (drafter nodes at depth 1)."""
+    tree = DraftTree.root_only(0)
+    tree.add_branches([Branch([i + 1], [c]) for i, c in enumerate(chances)])
+    return tree
+
+
+# -- the cost model -----------------------------------------------------------------------
+
+
+def test_cost_model_interpolates_extrapolates_and_follows_what_it_observes():
+    costs = CostModel(calibration(2.0))
+    assert costs.forward_seconds(1, 64) == pytest.approx(0.010)
+    assert costs.forward_seconds(3, 64) == pytest.approx(0.014)  # between 2 and 4 nodes
+    assert costs.forward_seconds(1, 1024) == pytest.approx(0.015)
+    assert costs.forward_seconds(1, 2048) == pytest.approx(0.015 + 5e-3 * 1024 / 960)  # linear in context
+    assert costs.forward_seconds(128, 64) > costs.forward_seconds(64, 64)  # past the last measured count
+    for _ in range(60):  # the machine turns out twice as slow for one-token forwards
+        costs.observe_forward(1, 64, 0.020)
+    assert costs.forward_seconds(1, 64) == pytest.approx(0.020, rel=0.01)
+    assert costs.forward_seconds(4, 64) == pytest.approx(0.016)  # another range of node counts: unchanged
+
+
+def test_calibration_of_a_tiny_model_is_measured_cached_and_reloaded(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOKENSWIFT_CACHE", str(tmp_path))
+    pipe = Pipeline.from_spec("ar", tiny_model_for("llama-gqa", "float32"))
+    assert load_calibration(pipe.runner) is None
+    measured = calibration_for(pipe.runner, pipe.scorer)
+    assert measured.dtype == "float32" and measured.nodes[0] == 1 and len(measured.contexts) >= 1
+    for row in measured.forward_ms:  # more nodes never cost less
+        assert all(a <= b for a, b in zip(row, row[1:])) and row[0] > 0
+    files = list((tmp_path / "calibration").glob("*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["format"] == "tokenswift-calibration/1"
+    assert load_calibration(pipe.runner) == measured
+    other = Pipeline.from_spec("ar", tiny_model_for("llama-gqa", "float64"))
+    assert load_calibration(other.runner) is None  # another dtype, another calibration
+    assert pipe.runner.store is None or pipe.runner.store.length == 0
+
+
+def test_calibration_stops_at_node_counts_too_expensive_to_verify():
+    pipe = Pipeline.from_spec("ar", tiny_model_for("llama-mha", "float32"))
+    measured = calibrate(pipe.runner, pipe.scorer, max_nodes=8)
+    assert measured.nodes[-1] <= 8
+
+
+# -- confidences and the choice --------------------------------------------------------------
+
+
+def test_tracker_corrects_a_miscalibrated_proposer():
+    tracker = AcceptanceTracker()
+    assert tracker.corrected(DRAFTER, 1, 0.6) == pytest.approx(0.6)  # no evidence yet: the proposer's word
+    tree = tree_with([0.6])
+    for _ in range(40):  # proposed at 0.6, never accepted
+        tracker.observe(tree, [])
+    assert tracker.corrected(DRAFTER, 1, 0.6) < 0.1
+    assert tracker.corrected(DRAFTER, 1, 0.05) == pytest.approx(0.05)  # another confidence bin: its own evidence
+    for _ in range(40):  # a retriever without estimates whose branches are always accepted
+        retrieved = DraftTree.root_only(0)
+        retrieved.add_branch([7], source=RETRIEVER)
+        tracker.observe(retrieved, [1])
+    assert tracker.corrected(RETRIEVER, 1, None) > 0.9
+
+
+def test_choice_maximises_expected_tokens_per_second():
+    tracker = AcceptanceTracker()
+    tree = tree_with([0.9, 0.5, 0.2, 0.01])
+    free = choose(tree, tracker, CostModel(calibration(0.0)), 64, max_nodes=64)
+    assert free.keep == [0, 1, 2, 3, 4]  # nodes cost nothing: verify every candidate
+    assert free.expected_tokens == pytest.approx(1 + 0.9 + 0.5 + 0.2 + 0.01)
+    dear = choose(tree, tracker, CostModel(calibration(100.0)), 64, max_nodes=64)
+    assert dear.keep == [0] and dear.expected_tokens == 1.0  # a plain step
+    middle = choose(tree, tracker, CostModel(calibration(3.0)), 64, max_nodes=64)
+    assert middle.keep == [0, 1, 2]  # 0.9 and 0.5 pay for 3 ms each, 0.2 does not
+    assert choose(tree, tracker, CostModel(calibration(0.0)), 64, max_nodes=2).keep == [0, 1, 2]
+
+
+def test_the_choice_keeps_parents_before_children():
+    tracker = AcceptanceTracker()
+    tree = DraftTree.root_only(0)
+    tree.add_branches([Branch([1, 2, 3], [0.9, 1.0, 1.0]), Branch([4, 5], [0.3, 0.1])])
+    choice = choose(tree, tracker, CostModel(calibration(0.0)), 64, max_nodes=4)
+    kept = tree.subtree(choice.keep)
+    assert kept.tokens == [0, 1, 2, 3, 4] and kept.parents == [-1, 0, 1, 2, 0]
+    assert [kept.tokens[node] for node in choice.likely_path(tree)] == [1, 2, 3]
+
+
+def test_gate_backs_off_while_drafts_go_unverified_and_resumes_when_they_are():
+    gate = DraftGate(longest=4)
+    pattern = []
+    for _ in range(14):
+        drafted = gate.draft()
+        pattern.append(drafted)
+        if drafted:
+            gate.observe(0)
+    assert pattern == [True, False, True, False, False, True, False, False, False, False, True, False, False, False]
+    gate.observe(2)
+    assert gate.backoff == 1
+
+
+def test_pass_chooser_prefers_the_faster_arm_and_keeps_exploring():
+    chooser = PassChooser(explore_every=4)
+    assert chooser.run_pass() is True
+    chooser.observe(True, tokens=3, seconds=0.1)  # 30 tokens/s with the pass
+    assert chooser.run_pass() is False
+    chooser.observe(False, tokens=1, seconds=0.1)  # 10 without
+    picks = [chooser.run_pass() for _ in range(8)]
+    assert picks.count(True) == 6 and picks.count(False) == 2  # explores the other arm every 4th step
+
+
+# -- in the pipeline ---------------------------------------------------------------------------
+
+
+def with_costs(pipe, per_node_ms):
+    pipe._costs = CostModel(calibration(per_node_ms))
+    return pipe
+
+
+@pytest.mark.parametrize("sampling", [{"greedy": True}, {"temperature": 1.0, "min_p": 0.05}])
+def test_timings_change_the_trees_never_the_tokens(sampling):
+    model = looping_model("llama-gqa", "float32")
+    spec = {"preset": "tokenswift", "drafter": {"heads": "random"}, "cache": {"budget": 12, "sink": 2, "recent": 3},
+            "retriever": {"top_k": 5}, "sampling": sampling}
+    prompt = [1, 2, 3, 4, 5, 6, 1, 2, 3]
+    cheap = with_costs(Pipeline.from_spec(spec, model), 0.0).generate(prompt, 40, seed=3, ignore_eos=True)
+    dear = with_costs(Pipeline.from_spec(spec, model), 1000.0).generate(prompt, 40, seed=3, ignore_eos=True)
+    assert cheap.tokens == dear.tokens
+    # nodes free: many verified, fewer steps; nodes ruinous: plain steps but for a few
+    # explorations (a gated proposer's likeliest candidate, now and then)
+    assert cheap.stats.proposed_tokens > 40 and cheap.stats.steps < 40
+    assert dear.stats.proposed_tokens / dear.stats.steps < 0.5 and dear.stats.steps > cheap.stats.steps
+
+
+def test_auto_trees_are_lossless_and_report_their_decisions():
+    spec = {"preset": "tokenswift", "drafter": {"heads": "random"}, "cache": {"budget": 14, "sink": 2, "recent": 4},
+            "retriever": {"top_k": 5}, "sampling": {"temperature": 1.0, "min_p": 0.1}}
+    pipe = with_costs(Pipeline.from_spec(spec, looping_model()), 0.5)
+    result = assert_lossless(pipe, [5, 6, 7, 8] * 4, 40, seed=2)
+    decisions = result.stats.decisions()
+    assert decisions["verified_per_step"] <= decisions["candidates_per_step"]
+    assert decisions["predicted_tokens_per_step"] >= 1.0 and decisions["realised_tokens_per_step"] >= 1.0
+    assert decisions["forward_ms_per_step"] > 0 and result.stats.summary()["dtype"] == "float64"
+
+
+def test_no_drafting_pass_over_the_whole_context_and_passes_over_a_partial_view():
+    passes = {}
+    for budget in (512, 12):  # the whole context fits / it does not
+        spec = {"preset": "tokenswift", "drafter": {"heads": "random"}, "cache": {"budget": budget, "sink": 2, "recent": 3}}
+        pipe = with_costs(Pipeline.from_spec(spec, tiny_model_for("llama-gqa")), 0.0)
+        records = list(pipe.steps(list(range(1, 20)), 24, seed=0, ignore_eos=True))
+        passes[budget] = sum(r.drafting_pass for r in records)
+    assert passes[512] == 0 and passes[12] > 0
+
+
+def test_fixed_trees_verify_every_candidate_with_a_pass_each_step():
+    spec = {"preset": "tokenswift", "drafter": {"heads": "random", "tree": [2, 2]}, "retriever": {"name": "none"},
+            "cache": {"name": "full"}, "speculation": {"tree": "fixed"}}
+    records = list(Pipeline.from_spec(spec, tiny_model_for("llama-gqa")).steps([1, 2, 3], 12, seed=0))
+    assert all(r.tree_size == r.candidates == 6 and r.drafting_pass and r.predicted_tokens is None for r in records)
+
+
+@pytest.mark.parametrize(
+    ("speculation", "message"),
+    [({"tree": "dynamic"}, r"speculation.tree must be one of \['auto', 'fixed'\], got 'dynamic'"),
+     ({"max_nodes": -1}, r"speculation.max_nodes must be an integer >= 0, got -1"),
+     ({"nodes": 3}, r"\[speculation\] has unknown option\(s\) \['nodes'\]")],
+)
+def test_bad_speculation_settings(speculation, message):
+    with pytest.raises(SpecError, match=message):
+        Pipeline.from_spec({"preset": "tokenswift", "speculation": speculation}, tiny_model_for("llama-mha"))

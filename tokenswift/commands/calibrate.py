@@ -1,0 +1,35 @@
+"""``tokenswift calibrate``: measure (again) what forwards cost on this machine for a
+model, show it, and cache it (see :mod:`tokenswift.costs`)."""
+
+from __future__ import annotations
+
+import sys
+
+from tokenswift.commands import CliError
+
+
+def run(args) -> int:
+    from tokenswift import Pipeline
+    from tokenswift.costs import calibration_for, calibration_path, load_calibration
+    from tokenswift.model.loading import check_device
+    from tokenswift.spec import ModelSpec
+
+    ModelSpec(path=args.model, dtype=args.dtype, device=args.device)  # bad values fail here, before loading
+    check_device(args.device)
+    pipe = Pipeline.from_spec({"preset": "ar", "model": {"path": args.model, "dtype": args.dtype, "device": args.device}})
+    cached = load_calibration(pipe.runner)
+    if cached is not None and not args.show:
+        print(f"measuring again (the cached calibration took {cached.seconds:.1f} s)...", file=sys.stderr)
+    if args.show and cached is None:
+        raise CliError(f"no calibration is cached for {args.model} ({pipe.runner.dtype}) on this machine; run without --show")
+    calibration = cached if args.show else calibration_for(pipe.runner, pipe.scorer, refresh=True)
+    packed = "never" if calibration.packed_from_rows is None else f"from {calibration.packed_from_rows} tokens"
+    print(f"machine: {calibration.machine}, {calibration.threads} threads, torch {calibration.torch}")
+    print(f"model: {args.model}, {calibration.dtype} on {calibration.device}")
+    print(f"oneDNN packed linears: forwards {packed}, LM head {'yes' if calibration.packed_lm_head else 'no'}"
+          + (f" (measured {calibration.linears_ms})" if calibration.linears_ms else ""))
+    print(f"scoring one node: {calibration.score_ms:.2f} ms")
+    print("verify forward, ms, by new tokens (columns) and context length (rows):")
+    print(calibration.table())
+    print(f"took {calibration.seconds:.1f} s; cached in {calibration_path(calibration.key)}", file=sys.stderr)
+    return 0
