@@ -184,3 +184,42 @@ def test_cuda_without_a_gpu_is_one_line(command, model_dir, tmp_path, capsys):
     code, out, err = run(capsys, command, "--model", str(model_dir), "--device", "cuda", *extra)
     assert code == 2 and err.count("\n") == 1, err
     assert "'cuda' was asked for, but no CUDA GPU is available here" in err
+
+
+def test_the_summary_names_the_dtype_auto_chose(model_dir, tmp_path, capsys):
+    stats_file = tmp_path / "stats.json"
+    code, out, err = run(
+        capsys, "generate", "--model", str(model_dir), "--prompt", "a dog", "--max-new-tokens", "4", "--ignore-eos",
+        "--stats-json", str(stats_file),
+    )
+    from tokenswift.model.dtypes import auto_dtype
+
+    assert code == 0, err
+    assert json.loads(stats_file.read_text())["dtype"] == auto_dtype("cpu") and f"dtype={auto_dtype('cpu')}" in err
+
+
+def test_calibrate_measures_shows_and_caches(model_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TOKENSWIFT_CACHE", str(tmp_path))
+    code, out, err = run(capsys, "calibrate", "--model", str(model_dir), "--dtype", "float32", "--show")
+    assert code == 2 and "no calibration is cached" in err and err.count("\n") == 1
+    code, out, err = run(capsys, "calibrate", "--model", str(model_dir), "--dtype", "float32")
+    assert code == 0, err
+    assert "float32 on cpu" in out and "| context | 1 node |" in out and "scoring one node:" in out
+    assert "cached in" in err and len(list((tmp_path / "calibration").glob("*.json"))) == 1
+    code, shown, err = run(capsys, "calibrate", "--model", str(model_dir), "--dtype", "float32", "--show")
+    assert code == 0 and shown == out
+
+
+def test_bench_interleaved_compares_presets_with_ar_in_turns(model_dir, tmp_path, capsys):
+    out_dir = tmp_path / "versus"
+    code, out, err = run(
+        capsys, "bench", "--interleaved", "--model", str(model_dir), "--dtype", "float32", "--methods", "tokenswift,medusa",
+        "--heads", "random", "--prompt-tokens", "12", "--new-tokens", "24", "--seeds", "0", "1", "--greedy",
+        "--out", str(out_dir),
+    )
+    assert code == 0, err
+    report = json.loads((out_dir / "interleaved.json").read_text())
+    assert list(report["summary"]) == ["ar", "tokenswift", "medusa"] and report["summary"]["ar"]["ratio_to_ar"] == 1.0
+    assert [run["seed"] for run in report["per_seed"]] == [0, 1]
+    assert all(run[name]["same_tokens_as_ar"] for run in report["per_seed"] for name in ("tokenswift", "medusa"))
+    assert report["config"]["dtype"] == "float32" and "| tokenswift |" in out

@@ -100,13 +100,23 @@ class Calibration:
         return cls(**data)
 
     def forward_seconds(self, nodes: int, context: int) -> float:
-        """Interpolated seconds of a verify forward of ``nodes`` new tokens over ``context`` positions."""
-        per_context = [_interpolate(self.nodes, row, nodes) for row in self.forward_ms]
+        """Seconds of a verify forward of ``nodes`` new tokens over ``context`` positions:
+        piecewise linear in the node count, linear in the context past the first one
+        measured (attention reads every position), with a per-position cost that never
+        falls as nodes are added (what a noisy measurement would say otherwise)."""
+        base = _interpolate(self.nodes, self.forward_ms[0], nodes)
         if len(self.contexts) == 1:
-            return per_context[0] / 1000
-        (c0, c1), (t0, t1) = self.contexts[:2], per_context[:2]
-        slope = (t1 - t0) / (c1 - c0)
-        return max(t0 + slope * (context - c0), 0.05 * t0) / 1000
+            return base / 1000
+        per_position = _interpolate(self.nodes, self._per_position_ms(), nodes)
+        return (base + per_position * max(context - self.contexts[0], 0)) / 1000
+
+    def _per_position_ms(self) -> list[float]:
+        (c0, c1), (row0, row1) = self.contexts[:2], self.forward_ms[:2]
+        slopes, largest = [], 0.0
+        for t0, t1 in zip(row0, row1):
+            largest = max(largest, (t1 - t0) / (c1 - c0))
+            slopes.append(largest)
+        return slopes
 
     def table(self) -> str:
         """A markdown table of the measured forward costs."""

@@ -41,9 +41,10 @@ logger = logging.getLogger(__name__)
 
 METRICS = [
     "tokens_per_second", "speedup_vs_ar", "tokens_per_step", "acceptance_rate", "retriever_share",
+    "verified_per_step", "candidates_per_step", "predicted_tokens_per_step",
     "distinct_1", "distinct_2", "distinct_3", "distinct_4", "peak_rss_mib", "new_tokens", "seconds",
 ]
-SECTIONS = (*COMPONENT_KINDS, "sampling")
+SECTIONS = (*COMPONENT_KINDS, "sampling", "speculation")
 AR_PREFIX = "ar: "  # labels of the reference runs
 
 
@@ -206,6 +207,9 @@ def run_ablation(
             "tokens_per_step": round(stats.tokens_per_step, 3),
             "acceptance_rate": round(stats.acceptance_rate, 4),
             "retriever_share": round(stats.retriever_share, 4),
+            "verified_per_step": stats.decisions()["verified_per_step"],
+            "candidates_per_step": stats.decisions()["candidates_per_step"],
+            "predicted_tokens_per_step": stats.decisions()["predicted_tokens_per_step"] or "",
             **{f"distinct_{n}": round(distinct_n(result.tokens, n), 4) for n in (1, 2, 3, 4)},
             "peak_rss_mib": round(peak_rss_mib(), 1),
             "new_tokens": stats.new_tokens,
@@ -266,9 +270,10 @@ def write_reports(rows: list[dict[str, Any]], out_dir: str | Path) -> dict[str, 
         "distinct": out_dir / "distinct.png",
     }
     cols = ["label", "seed", "tokens_per_second", "speedup_vs_ar", "tokens_per_step", "acceptance_rate",
-            "retriever_share", "distinct_1", "distinct_2", "distinct_3", "distinct_4", "peak_rss_mib"]
+            "retriever_share", "verified_per_step", "predicted_tokens_per_step", "distinct_1", "distinct_2", "distinct_3",
+            "distinct_4", "peak_rss_mib"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
+    lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
     paths["markdown"].write_text("\n".join(lines) + "\n")
     curves = json.loads((out_dir / "curves.json").read_text()) if (out_dir / "curves.json").exists() else {}
     cells = [r for r in rows if not r["label"].startswith(AR_PREFIX)]

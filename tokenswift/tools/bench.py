@@ -64,6 +64,7 @@ class MethodResult:
     distinct: list[float]  # distinct-1..4
     curve: list[tuple[int, float]]  # (generated, cumulative tokens/s)
     error: str | None = None
+    decisions: dict | None = None  # presets: verified vs proposed nodes, predicted vs realised tokens per step
 
 
 class PenaltyProcessor(LogitsProcessor):
@@ -224,6 +225,7 @@ def run_bench(
                 distinct=[round(distinct_n(tokens, n), 4) for n in (1, 2, 3, 4)],
                 curve=curve,
                 error=error,
+                decisions=stats.decisions() if stats else None,
             )
         )
         if on_method is not None:
