@@ -3,6 +3,8 @@ that none of it changes what is emitted."""
 
 import json
 
+import attrs
+
 import pytest
 
 from tokenswift import Pipeline, SpecError
@@ -192,3 +194,9 @@ def test_fixed_trees_verify_every_candidate_with_a_pass_each_step():
 def test_bad_speculation_settings(speculation, message):
     with pytest.raises(SpecError, match=message):
         Pipeline.from_spec({"preset": "tokenswift", "speculation": speculation}, tiny_model_for("llama-mha"))
+
+
+def test_a_calibration_with_one_node_count_extrapolates_in_proportion():
+    single = attrs.evolve(calibration(2.0), nodes=(1,), forward_ms=((10.0,), (15.0,)))
+    costs = CostModel(single)
+    assert costs.forward_seconds(3, 64) == pytest.approx(0.030) and costs.forward_seconds(1, 64) == pytest.approx(0.010)

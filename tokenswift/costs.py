@@ -128,9 +128,12 @@ class Calibration:
 
 
 def _interpolate(xs, ys, x):
-    """Piecewise-linear through (xs, ys), extrapolated with the last segment's slope."""
+    """Piecewise-linear through (xs, ys), extrapolated with the last segment's slope (in
+    proportion to x from a single point)."""
     if x <= xs[0]:
         return ys[0]
+    if len(xs) == 1:
+        return ys[0] * x / xs[0]
     i = min(bisect.bisect_left(xs, x), len(xs) - 1)
     x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
@@ -231,9 +234,9 @@ def calibrate(runner, scorer, *, max_nodes: int = NODE_COUNTS[-1], progress=None
     # Node counts beyond the point where a forward costs EXPENSIVE x a one-token forward
     # are never worth verifying; the curve is extrapolated past the last one measured.
     one = _least_ms(_chain_forward(runner, 1, contexts[-1]), 1)
-    nodes = [1]
-    for n in NODE_COUNTS[1:]:
-        if n > max(max_nodes, 1) or _least_ms(_chain_forward(runner, n, contexts[-1]), 0) > EXPENSIVE * one:
+    nodes = [1, 2]  # at least a slope
+    for n in NODE_COUNTS[2:]:
+        if n > max(max_nodes, 2) or _least_ms(_chain_forward(runner, n, contexts[-1]), 0) > EXPENSIVE * one:
             break
         nodes.append(n)
     nodes = tuple(nodes)

@@ -133,16 +133,12 @@ class Generation:
         while state.generated < self.max_new_tokens and self.finish_reason == "length":
             clock.start()
             candidates, proposers, drafting_pass = self.propose()
-            choice = self.choose(candidates, proposers)
-            tree = candidates if choice is None else candidates.subtree(choice.keep)
-            for source in proposers if self.gates is not None else ():
-                self.gates[source].observe(sum(1 for s in tree.sources[1:] if s == source))
+            tree, choice = self.select(candidates, proposers)
             clock.lap("propose")
             output = runner.forward(tree.token_tensor(), tree_mask=tree.mask(), depths=tree.depth_tensor(), logits_rows=None)
             likely = choice.likely_path(candidates) if choice is not None else ()
             scores = NodeScores(tree, output.hidden, runner, pipeline.scorer, state.tokens, with_root=likely)
             clock.lap("score")
-            forward_seconds = clock.seconds["score"]
             try:
                 verdict = verifier.verify(tree, scores, sampler)
             except NonFiniteScoresError as exc:  # keep the text so far; the caller sees why it stopped
@@ -153,11 +149,7 @@ class Generation:
             context = runner.committed_length
             emitted, kept = self.commit(tree, verdict, output.hidden)
             clock.lap("commit")
-            if self.tracker is not None:
-                self.tracker.observe(tree, verdict.accepted)
-                self.costs.observe_forward(len(tree), context, forward_seconds)
-                if drafting_pass is not None:
-                    self.passes.observe(drafting_pass, len(emitted), sum(clock.seconds.values()))
+            self.learn(tree, choice, verdict, context, clock.seconds, drafting_pass, len(emitted))
             yield StepRecord(
                 step=state.step,
                 candidates=len(candidates) - 1,
@@ -172,7 +164,7 @@ class Generation:
                 drafting_pass=bool(drafting_pass),
                 predicted_tokens=None if choice is None else choice.expected_tokens,
                 predicted_seconds=None if choice is None else choice.seconds,
-                forward_seconds=forward_seconds,
+                forward_seconds=clock.seconds["score"],
             )
 
     def propose(self) -> tuple[DraftTree, list[int], bool | None]:
@@ -206,13 +198,34 @@ class Generation:
         tree.add_branches(pipeline.drafter.propose(state, inputs))
         return drafting_pass
 
-    def choose(self, candidates: DraftTree, proposers: list[int]) -> Choice | None:
-        """The candidates worth verifying (None: all of them, a fixed tree)."""
+    def select(self, candidates: DraftTree, proposers: list[int]) -> tuple[DraftTree, Choice | None]:
+        """The tree to verify: the candidates worth it here and now (all of them, and no
+        choice, with fixed trees). Each proposer's gate learns whether any of its
+        candidates made it."""
         if self.tracker is None:
-            return None
+            return candidates, None
         max_nodes = self.pipeline.spec.speculation.max_nodes
         explore = tuple(source for source in proposers if self.gates[source].exploring) if max_nodes else ()
-        return choose(candidates, self.tracker, self.costs, self.pipeline.runner.committed_length, max_nodes, explore=explore)
+        choice = choose(candidates, self.tracker, self.costs, self.pipeline.runner.committed_length, max_nodes, explore=explore)
+        chosen = [node for node in choice.keep[1:] if node not in choice.explored]
+        for source in proposers:
+            self.gates[source].observe(sum(1 for node in chosen if candidates.sources[node] == source))
+        return candidates.subtree(choice.keep), choice
+
+    def learn(
+        self, tree: DraftTree, choice: Choice | None, verdict: Verdict, context: int, seconds: dict, drafting_pass: bool | None, emitted: int
+    ) -> None:
+        """What a step teaches the tree choice: which nodes were accepted, what the
+        forward cost, and what a drafting pass earned (with fixed trees: nothing)."""
+        if self.tracker is None:
+            return
+        self.tracker.observe(tree, verdict.accepted)
+        for node in verdict.accepted:  # an explored candidate that was accepted reopens its proposer's gate
+            if choice.keep[node] in choice.explored:
+                self.gates[tree.sources[node]].observe(1)
+        self.costs.observe_forward(len(tree), context, seconds["score"])
+        if drafting_pass is not None:
+            self.passes.observe(drafting_pass, emitted, sum(seconds.values()))
 
     def commit(self, tree: DraftTree, verdict: Verdict, hidden: torch.Tensor) -> tuple[list[int], list[int]]:
         """Keep the root and the accepted path in the KV, append the emitted tokens (cut

@@ -91,6 +91,7 @@ class Choice:
     chance: list[float]
     expected_tokens: float
     seconds: float
+    explored: list[int] = attrs.field(factory=list)  # kept only to explore (candidate indices)
 
     def likely_path(self, tree: DraftTree, *, at_least: float = 0.25, longest: int = 3) -> list[int]:
         """Positions in ``keep`` of the likeliest path below the root, as long as each
@@ -140,11 +141,12 @@ def choose(
         seconds = costs.forward_seconds(k + 1, context) + costs.score_seconds * expected
         if expected / seconds > best_rate:
             best_k, best_rate, best_seconds = k, expected / seconds, seconds
-    kept = set(order[:best_k])
+    kept, explored = set(order[:best_k]), []
     for source in explore:
         firsts = [node for node in tree.children(0).values() if tree.sources[node] == source]
         if firsts and not kept.intersection(firsts):
-            kept.add(max(firsts, key=lambda node: (chance[node], -node)))
+            explored.append(max(firsts, key=lambda node: (chance[node], -node)))
+    kept.update(explored)
     keep = [0, *sorted(kept)]
     if len(keep) - 1 != best_k:
         best_seconds = costs.forward_seconds(len(keep), context) + costs.score_seconds * (1 + sum(chance[n] for n in keep[1:]))
@@ -153,6 +155,7 @@ def choose(
         chance=[chance[node] for node in keep],
         expected_tokens=1.0 + sum(chance[node] for node in keep[1:]),
         seconds=best_seconds,
+        explored=explored,
     )
 
 
@@ -179,8 +182,10 @@ class DraftGate:
             return False
         return True
 
-    def observe(self, verified_drafts: int) -> None:
-        if verified_drafts > 0:
+    def observe(self, chosen: int) -> None:
+        """``chosen``: how many of the proposer's candidates the step chose to verify
+        (or, for one kept only to explore, 1 if it was accepted)."""
+        if chosen > 0:
             self.backoff = 1
         else:
             self.wait = self.backoff
