@@ -83,6 +83,7 @@ class Generation:
         self.tracker = AcceptanceTracker() if auto else None
         self.passes = PassChooser() if auto else None
         self.gates = {DRAFTER: DraftGate(), RETRIEVER: DraftGate()} if auto else None
+        self.proposing_seconds = {DRAFTER: 0.0, RETRIEVER: 0.0}  # what each proposer took this step
         # What a checkpoint resumes from: committed tokens and the generator after their draws.
         self._committed = (len(self.state.tokens), generator.get_state())
         self._prefilled = finish_reason is not None  # a finished checkpoint needs no forward
@@ -175,10 +176,13 @@ class Generation:
         pipeline, state = self.pipeline, self.state
         tree = DraftTree.root_only(state.tokens[-1])
         proposers = [source for source in (DRAFTER, RETRIEVER) if self.gates is None or self.gates[source].draft()]
+        started = time.perf_counter()
         drafting_pass = self.draft(tree) if DRAFTER in proposers else None
+        drafted = time.perf_counter()
         if RETRIEVER in proposers:
             first_tokens = [tree.tokens[child] for child in tree.children(0).values()]
             tree.add_branches(pipeline.retriever.retrieve(state, first_tokens), source=RETRIEVER)
+        self.proposing_seconds = {DRAFTER: drafted - started, RETRIEVER: time.perf_counter() - drafted}
         return tree, proposers, drafting_pass
 
     def draft(self, tree: DraftTree) -> bool | None:
@@ -207,9 +211,8 @@ class Generation:
         max_nodes = self.pipeline.spec.speculation.max_nodes
         explore = tuple(source for source in proposers if self.gates[source].exploring) if max_nodes else ()
         choice = choose(candidates, self.tracker, self.costs, self.pipeline.runner.committed_length, max_nodes, explore=explore)
-        chosen = [node for node in choice.keep[1:] if node not in choice.explored]
         for source in proposers:
-            self.gates[source].observe(sum(1 for node in chosen if candidates.sources[node] == source))
+            self.gates[source].observe(choice.saved_seconds.get(source, 0.0) > self.proposing_seconds[source])
         return candidates.subtree(choice.keep), choice
 
     def learn(
@@ -222,7 +225,7 @@ class Generation:
         self.tracker.observe(tree, verdict.accepted)
         for node in verdict.accepted:  # an explored candidate that was accepted reopens its proposer's gate
             if choice.keep[node] in choice.explored:
-                self.gates[tree.sources[node]].observe(1)
+                self.gates[tree.sources[node]].observe(True)
         self.costs.observe_forward(len(tree), context, seconds["score"])
         if drafting_pass is not None:
             self.passes.observe(drafting_pass, emitted, sum(seconds.values()))

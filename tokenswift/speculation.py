@@ -92,6 +92,8 @@ class Choice:
     expected_tokens: float
     seconds: float
     explored: list[int] = attrs.field(factory=list)  # kept only to explore (candidate indices)
+    saved_seconds: dict[int, float] = attrs.field(factory=dict)  # by source: predicted time saved vs plain steps
+
 
     def likely_path(self, tree: DraftTree, *, at_least: float = 0.25, longest: int = 3) -> list[int]:
         """Positions in ``keep`` of the likeliest path below the root, as long as each
@@ -128,8 +130,9 @@ def choose(
     verifying it over ``context`` committed positions (at most ``max_nodes`` nodes
     below the root). For every source in ``explore``, its likeliest depth-1 candidate
     is verified whatever it costs: the only way to learn that a proposer the tracker
-    doubts has become right."""
-    best_seconds = costs.forward_seconds(1, context) + costs.score_seconds
+    doubts has become right. So is, at every step, the likeliest depth-1 candidate of
+    a source that gives no confidences while the tracker has not tried one yet."""
+    plain = best_seconds = costs.forward_seconds(1, context) + costs.score_seconds
     if len(tree) == 1:
         return Choice(keep=[0], chance=[1.0], expected_tokens=1.0, seconds=best_seconds)
     chance = chances(tree, tracker)
@@ -141,10 +144,20 @@ def choose(
         seconds = costs.forward_seconds(k + 1, context) + costs.score_seconds * expected
         if expected / seconds > best_rate:
             best_k, best_rate, best_seconds = k, expected / seconds, seconds
-    kept, explored = set(order[:best_k]), []
-    for source in explore:
+    # The time the chosen nodes save (their expected tokens would cost `plain` seconds
+    # each as plain steps), shared among the sources by their chances: a proposer is
+    # worth asking only while its share exceeds what proposing costs.
+    chosen = order[:best_k]
+    saved = (1.0 + sum(chance[node] for node in chosen)) * plain - best_seconds
+    total = sum(chance[node] for node in chosen)
+    saved_by_source: dict[int, float] = {}
+    for node in chosen:
+        saved_by_source[tree.sources[node]] = saved_by_source.get(tree.sources[node], 0.0) + saved * chance[node] / total
+    kept, explored = set(chosen), []
+    for source in {tree.sources[node] for node in tree.children(0).values()}:
         firsts = [node for node in tree.children(0).values() if tree.sources[node] == source]
-        if firsts and not kept.intersection(firsts):
+        unknown = all(tree.confidence[node] is None for node in firsts) and not tracker.tried_by_depth[(source, 1)]
+        if (source in explore or unknown) and not kept.intersection(firsts):
             explored.append(max(firsts, key=lambda node: (chance[node], -node)))
     kept.update(explored)
     keep = [0, *sorted(kept)]
@@ -156,14 +169,15 @@ def choose(
         expected_tokens=1.0 + sum(chance[node] for node in keep[1:]),
         seconds=best_seconds,
         explored=explored,
+        saved_seconds=saved_by_source,
     )
 
 
 class DraftGate:
     """Whether a proposer (the drafter, the retriever) runs this step. It does as long
-    as its candidates get verified; after a step that verified none of them it waits 1,
-    then 2, 4, ... up to ``longest`` steps before trying again (proposing what nobody
-    verifies costs time every step)."""
+    as its candidates pay for proposing them; after a step where they did not (none was
+    verified, or the time they are expected to save is less than proposing took) it
+    waits 1, then 2, 4, ... up to ``longest`` steps before trying again."""
 
     def __init__(self, *, longest: int = 128) -> None:
         self.longest = longest
@@ -172,9 +186,11 @@ class DraftGate:
 
     @property
     def exploring(self) -> bool:
-        """The proposer's last candidates went unverified: its next step should verify
-        its likeliest one anyway (see :func:`choose`)."""
-        return self.backoff > 1
+        """The proposer's candidates have gone unverified for as long as the gate waits:
+        its next step verifies its likeliest one anyway (see :func:`choose`), so that a
+        proposer whose confidences undersell it is found out, at most once every
+        ``longest`` steps."""
+        return self.backoff >= self.longest
 
     def draft(self) -> bool:
         if self.wait > 0:
@@ -182,10 +198,10 @@ class DraftGate:
             return False
         return True
 
-    def observe(self, chosen: int) -> None:
-        """``chosen``: how many of the proposer's candidates the step chose to verify
-        (or, for one kept only to explore, 1 if it was accepted)."""
-        if chosen > 0:
+    def observe(self, paid: bool) -> None:
+        """``paid``: the proposer's candidates were worth proposing this step (chosen
+        and expected to save more than proposing cost, or explored and accepted)."""
+        if paid:
             self.backoff = 1
         else:
             self.wait = self.backoff
