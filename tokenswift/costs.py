@@ -331,31 +331,26 @@ def calibration_for(runner, scorer, *, refresh: bool = False) -> Calibration:
 
 
 class CostModel:
-    """Predicted seconds of a step's parts: the calibration, corrected by what the run
-    observes (an exponential average of measured / predicted forward time, kept per
-    range of node counts, so a loaded or faster machine is followed within a few steps)."""
+    """Predicted seconds of a step's parts: the calibration's curve, scaled by what the
+    run observes (an exponential average of measured / predicted forward time), so that
+    a loaded or a faster machine is followed within a few dozen steps while the shape of
+    the curve (what one more node costs relative to a step) stays the measured one."""
 
-    BUCKETS = (1, 2, 5, 17)  # node-count ranges [1], [2, 4], [5, 16], [17, ...)
-
-    def __init__(self, calibration: Calibration, *, smoothing: float = 0.1) -> None:
+    def __init__(self, calibration: Calibration, *, smoothing: float = 0.05) -> None:
         self.calibration = calibration
         self.smoothing = smoothing
-        self._scale = [1.0] * len(self.BUCKETS)
-
-    def _bucket(self, nodes: int) -> int:
-        return bisect.bisect_right(self.BUCKETS, nodes) - 1
+        self.scale = 1.0
 
     def forward_seconds(self, nodes: int, context: int) -> float:
-        return self.calibration.forward_seconds(nodes, context) * self._scale[self._bucket(nodes)]
+        return self.calibration.forward_seconds(nodes, context) * self.scale
 
     @property
     def score_seconds(self) -> float:
-        return self.calibration.score_ms / 1000 * self._scale[0]
+        return self.calibration.score_ms / 1000 * self.scale
 
     def observe_forward(self, nodes: int, context: int, seconds: float) -> None:
         predicted = self.calibration.forward_seconds(nodes, context)
         if predicted <= 0 or seconds <= 0:
             return
-        bucket = self._bucket(nodes)
         ratio = min(max(seconds / predicted, 0.2), 5.0)  # one outlier (a page fault, a GC) moves it little
-        self._scale[bucket] += self.smoothing * (ratio - self._scale[bucket])
+        self.scale += self.smoothing * (ratio - self.scale)

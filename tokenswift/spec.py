@@ -63,6 +63,19 @@ class ComponentSpec:
         return {"name": self.name, **self.options}
 
 
+def _from_table(cls, section: str, value: Any):
+    """A spec section's attrs class from a table, rejecting unknown keys by name."""
+    if isinstance(value, cls):
+        return value
+    if not isinstance(value, Mapping):
+        raise SpecError(f"[{section}] must be a table, got {value!r}")
+    valid = [f.name for f in attrs.fields(cls)]
+    unknown = sorted(set(value) - set(valid))
+    if unknown:
+        raise SpecError(f"[{section}] has unknown option(s) {unknown}; valid: {valid}")
+    return cls(**value)
+
+
 def _optional(convert):
     return attrs.converters.optional(convert)
 
@@ -127,15 +140,7 @@ class SamplingSpec:
 
     @classmethod
     def from_value(cls, value: Any) -> SamplingSpec:
-        if isinstance(value, SamplingSpec):
-            return value
-        if not isinstance(value, Mapping):
-            raise SpecError(f"[sampling] must be a table, got {value!r}")
-        valid = [f.name for f in attrs.fields(cls)]
-        unknown = sorted(set(value) - set(valid))
-        if unknown:
-            raise SpecError(f"[sampling] has unknown option(s) {unknown}; valid: {valid}")
-        return cls(**value)
+        return _from_table(cls, "sampling", value)
 
     def to_dict(self) -> dict[str, Any]:
         if self.greedy:
@@ -168,15 +173,7 @@ class SpeculationSpec:
 
     @classmethod
     def from_value(cls, value: Any) -> SpeculationSpec:
-        if isinstance(value, SpeculationSpec):
-            return value
-        if not isinstance(value, Mapping):
-            raise SpecError(f"[speculation] must be a table, got {value!r}")
-        valid = [f.name for f in attrs.fields(cls)]
-        unknown = sorted(set(value) - set(valid))
-        if unknown:
-            raise SpecError(f"[speculation] has unknown option(s) {unknown}; valid: {valid}")
-        return cls(**value)
+        return _from_table(cls, "speculation", value)
 
     def to_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -259,11 +256,7 @@ class ModelSpec:
             return cls(path=value)
         if not isinstance(value, Mapping):
             raise SpecError(f"[model] must be a table or a path, got {value!r}")
-        valid = [f.name for f in attrs.fields(cls)]
-        unknown = sorted(set(value) - set(valid))
-        if unknown:
-            raise SpecError(f"[model] has unknown option(s) {unknown}; valid: {valid}")
-        return cls(**value)
+        return _from_table(cls, "model", value)
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in attrs.asdict(self).items() if v is not None}

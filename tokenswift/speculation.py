@@ -139,9 +139,10 @@ def choose(
     order = sorted(range(1, len(tree)), key=lambda node: (-chance[node], node))[:max_nodes]
     best_k, expected = 0, 1.0
     best_rate = expected / best_seconds
+    seconds = best_seconds
     for k, node in enumerate(order, start=1):
         expected += chance[node]
-        seconds = costs.forward_seconds(k + 1, context) + costs.score_seconds * expected
+        seconds = max(seconds, costs.forward_seconds(k + 1, context) + costs.score_seconds * expected)
         if expected / seconds > best_rate:
             best_k, best_rate, best_seconds = k, expected / seconds, seconds
     # The time the chosen nodes save (their expected tokens would cost `plain` seconds
@@ -151,7 +152,7 @@ def choose(
     saved = (1.0 + sum(chance[node] for node in chosen)) * plain - best_seconds
     total = sum(chance[node] for node in chosen)
     saved_by_source: dict[int, float] = {}
-    for node in chosen:
+    for node in chosen if total > 0 else ():
         saved_by_source[tree.sources[node]] = saved_by_source.get(tree.sources[node], 0.0) + saved * chance[node] / total
     kept, explored = set(chosen), []
     for source in {tree.sources[node] for node in tree.children(0).values()}:
