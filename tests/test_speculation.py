@@ -99,8 +99,6 @@ def test_choice_maximises_expected_tokens_per_second():
     middle = choose(tree, tracker, CostModel(calibration(3.0)), 64, max_nodes=64)
     assert middle.keep == [0, 1, 2]  # 0.9 and 0.5 pay for 3 ms each, 0.2 does not
     assert choose(tree, tracker, CostModel(calibration(0.0)), 64, max_nodes=2).keep == [0, 1, 2]
-    # the time they save: 1.9 expected tokens would take 1.9 plain steps of 10.5 ms; the step takes 10 + 0.5 x 1.9
-    assert choose(tree_with([0.9]), tracker, CostModel(calibration(0.0)), 64, 64).saved_seconds == {DRAFTER: pytest.approx(0.009)}
 
 
 def test_the_choice_keeps_parents_before_children():
@@ -113,18 +111,20 @@ def test_the_choice_keeps_parents_before_children():
     assert [kept.tokens[node] for node in choice.likely_path(tree)] == [1, 2, 3]
 
 
-def test_gate_backs_off_while_drafts_go_unverified_and_resumes_when_they_are():
+def test_gate_backs_off_while_proposing_does_not_pay_and_resumes_when_it_does():
     gate = DraftGate(longest=4)
     pattern = []
     for _ in range(14):
         drafted = gate.draft()
         pattern.append(drafted)
         if drafted:
-            gate.observe(False)
+            gate.observe(-0.001)  # proposing took a millisecond, nothing was accepted
     assert pattern == [True, False, True, False, False, True, False, False, False, False, True, False, False, False]
     assert gate.exploring  # waited the longest: its likeliest candidate is verified next time
-    gate.observe(True)
+    gate.observe(0.05)  # an accepted token saved a 50 ms forward
     assert gate.backoff == 1 and not gate.exploring
+    gate.observe(-0.001)
+    assert gate.backoff == 1  # on average it still pays
 
 
 def test_pass_chooser_prefers_the_faster_arm_and_keeps_exploring():

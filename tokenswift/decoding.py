@@ -84,6 +84,7 @@ class Generation:
         self.passes = PassChooser() if auto else None
         self.gates = {DRAFTER: DraftGate(), RETRIEVER: DraftGate()} if auto else None
         self.proposing_seconds = {DRAFTER: 0.0, RETRIEVER: 0.0}  # what each proposer took this step
+        self.proposers: list[int] = []  # the sources that proposed this step
         # What a checkpoint resumes from: committed tokens and the generator after their draws.
         self._committed = (len(self.state.tokens), generator.get_state())
         self._prefilled = finish_reason is not None  # a finished checkpoint needs no forward
@@ -150,7 +151,7 @@ class Generation:
             context = runner.committed_length
             emitted, kept = self.commit(tree, verdict, output.hidden)
             clock.lap("commit")
-            self.learn(tree, choice, verdict, context, clock.seconds, drafting_pass, len(emitted))
+            self.learn(tree, verdict, context, clock.seconds, drafting_pass, len(emitted))
             yield StepRecord(
                 step=state.step,
                 candidates=len(candidates) - 1,
@@ -204,28 +205,30 @@ class Generation:
 
     def select(self, candidates: DraftTree, proposers: list[int]) -> tuple[DraftTree, Choice | None]:
         """The tree to verify: the candidates worth it here and now (all of them, and no
-        choice, with fixed trees). Each proposer's gate learns whether any of its
-        candidates made it."""
+        choice, with fixed trees)."""
         if self.tracker is None:
             return candidates, None
         max_nodes = self.pipeline.spec.speculation.max_nodes
         explore = tuple(source for source in proposers if self.gates[source].exploring) if max_nodes else ()
         choice = choose(candidates, self.tracker, self.costs, self.pipeline.runner.committed_length, max_nodes, explore=explore)
-        for source in proposers:
-            self.gates[source].observe(choice.saved_seconds.get(source, 0.0) > self.proposing_seconds[source])
+        self.proposers = proposers
         return candidates.subtree(choice.keep), choice
 
-    def learn(
-        self, tree: DraftTree, choice: Choice | None, verdict: Verdict, context: int, seconds: dict, drafting_pass: bool | None, emitted: int
-    ) -> None:
-        """What a step teaches the tree choice: which nodes were accepted, what the
-        forward cost, and what a drafting pass earned (with fixed trees: nothing)."""
+    def learn(self, tree: DraftTree, verdict: Verdict, context: int, seconds: dict, drafting_pass: bool | None, emitted: int) -> None:
+        """What a step teaches the tree choice (with fixed trees: nothing): which nodes
+        were accepted, what the forward cost, what each proposer earned, and what a
+        drafting pass did."""
         if self.tracker is None:
             return
         self.tracker.observe(tree, verdict.accepted)
-        for node in verdict.accepted:  # an explored candidate that was accepted reopens its proposer's gate
-            if choice.keep[node] in choice.explored:
-                self.gates[tree.sources[node]].observe(True)
+        # Each accepted token saves a one-token forward; the tree's extra forward time is
+        # shared among the proposers by their verified nodes; proposing cost what it took.
+        one_token = self.costs.forward_seconds(1, context)
+        extra = max(0.0, seconds["score"] - one_token) / max(len(tree) - 1, 1)
+        for source in self.proposers:
+            verified = sum(1 for node in tree.sources[1:] if node == source)
+            accepted = sum(1 for node in verdict.accepted if tree.sources[node] == source)
+            self.gates[source].observe(accepted * one_token - verified * extra - self.proposing_seconds[source])
         self.costs.observe_forward(len(tree), context, seconds["score"])
         if drafting_pass is not None:
             self.passes.observe(drafting_pass, emitted, sum(seconds.values()))

@@ -92,7 +92,6 @@ class Choice:
     expected_tokens: float
     seconds: float
     explored: list[int] = attrs.field(factory=list)  # kept only to explore (candidate indices)
-    saved_seconds: dict[int, float] = attrs.field(factory=dict)  # by source: predicted time saved vs plain steps
 
 
     def likely_path(self, tree: DraftTree, *, at_least: float = 0.25, longest: int = 3) -> list[int]:
@@ -132,7 +131,7 @@ def choose(
     is verified whatever it costs: the only way to learn that a proposer the tracker
     doubts has become right. So is, at every step, the likeliest depth-1 candidate of
     a source that gives no confidences while the tracker has not tried one yet."""
-    plain = best_seconds = costs.forward_seconds(1, context) + costs.score_seconds
+    best_seconds = costs.forward_seconds(1, context) + costs.score_seconds
     if len(tree) == 1:
         return Choice(keep=[0], chance=[1.0], expected_tokens=1.0, seconds=best_seconds)
     chance = chances(tree, tracker)
@@ -145,16 +144,7 @@ def choose(
         seconds = max(seconds, costs.forward_seconds(k + 1, context) + costs.score_seconds * expected)
         if expected / seconds > best_rate:
             best_k, best_rate, best_seconds = k, expected / seconds, seconds
-    # The time the chosen nodes save (their expected tokens would cost `plain` seconds
-    # each as plain steps), shared among the sources by their chances: a proposer is
-    # worth asking only while its share exceeds what proposing costs.
-    chosen = order[:best_k]
-    saved = (1.0 + sum(chance[node] for node in chosen)) * plain - best_seconds
-    total = sum(chance[node] for node in chosen)
-    saved_by_source: dict[int, float] = {}
-    for node in chosen if total > 0 else ():
-        saved_by_source[tree.sources[node]] = saved_by_source.get(tree.sources[node], 0.0) + saved * chance[node] / total
-    kept, explored = set(chosen), []
+    kept, explored = set(order[:best_k]), []
     for source in {tree.sources[node] for node in tree.children(0).values()}:
         firsts = [node for node in tree.children(0).values() if tree.sources[node] == source]
         unknown = all(tree.confidence[node] is None for node in firsts) and not tracker.tried_by_depth[(source, 1)]
@@ -170,27 +160,29 @@ def choose(
         expected_tokens=1.0 + sum(chance[node] for node in keep[1:]),
         seconds=best_seconds,
         explored=explored,
-        saved_seconds=saved_by_source,
     )
 
 
 class DraftGate:
-    """Whether a proposer (the drafter, the retriever) runs this step. It does as long
-    as its candidates pay for proposing them; after a step where they did not (none was
-    verified, or the time they are expected to save is less than proposing took) it
-    waits 1, then 2, 4, ... up to ``longest`` steps before trying again."""
+    """Whether a proposer (the drafter, the retriever) runs this step. It keeps running
+    while what its candidates earn (the forwards their accepted tokens save, less the
+    verify time their nodes added and the time proposing took, measured step by step
+    and averaged) stays positive; otherwise it waits 1, then 2, 4, ... up to ``longest``
+    steps before trying again, so that proposing what does not pay costs next to
+    nothing."""
 
-    def __init__(self, *, longest: int = 128) -> None:
+    def __init__(self, *, longest: int = 128, smoothing: float = 0.2) -> None:
         self.longest = longest
+        self.smoothing = smoothing
+        self.earned = 0.0  # exponential average of seconds earned per step proposed
         self.wait = 0
         self.backoff = 1
 
     @property
     def exploring(self) -> bool:
-        """The proposer's candidates have gone unverified for as long as the gate waits:
-        its next step verifies its likeliest one anyway (see :func:`choose`), so that a
-        proposer whose confidences undersell it is found out, at most once every
-        ``longest`` steps."""
+        """The proposer has not paid for as long as the gate waits: its next step
+        verifies its likeliest candidate anyway (see :func:`choose`), so that a proposer
+        whose confidences undersell it is found out, at most once every ``longest`` steps."""
         return self.backoff >= self.longest
 
     def draft(self) -> bool:
@@ -199,10 +191,10 @@ class DraftGate:
             return False
         return True
 
-    def observe(self, paid: bool) -> None:
-        """``paid``: the proposer's candidates were worth proposing this step (chosen
-        and expected to save more than proposing cost, or explored and accepted)."""
-        if paid:
+    def observe(self, earned_seconds: float) -> None:
+        """What the proposer's candidates earned this step (negative: they cost)."""
+        self.earned += self.smoothing * (earned_seconds - self.earned)
+        if self.earned > 0:
             self.backoff = 1
         else:
             self.wait = self.backoff
