@@ -10,7 +10,7 @@ import torch
 from tokenswift import Pipeline
 from tokenswift.tools.bench import BenchConfig, run_bench
 from tokenswift.tools.training import TrainConfig, train_heads
-from tokenswift.testing import TINY_CONFIGS, assert_lossless, looping_model, tiny_model, word_tokenizer
+from tokenswift.testing import FIXED_TREE, TINY_CONFIGS, assert_lossless, looping_model, tiny_model, word_tokenizer
 
 DEVICE = "cuda"
 pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -69,7 +69,7 @@ def test_training_on_cuda(tmp_path):
     model = copy.deepcopy(looping_model()).to(DEVICE)
     record = train_heads(model, cyclic_corpus(), tmp_path, TrainConfig(steps=40, **CONFIG))
     assert min(record["held_out_accuracy"]["top1"]) > 0.9  # a deterministic cycle is learnable
-    spec = {"preset": "tokenswift", "drafter": {"heads": str(tmp_path)}, "sampling": {"greedy": True}, "penalty": {"name": "none"}}
+    spec = {"preset": "tokenswift", "drafter": {"heads": str(tmp_path)}, "sampling": {"greedy": True}, "penalty": {"name": "none"}, **FIXED_TREE}
     result = assert_lossless(Pipeline.from_spec(spec, model), [3, 1, 4], 40)
     assert result.stats.tokens_per_step > 3  # the trained heads are accepted
 

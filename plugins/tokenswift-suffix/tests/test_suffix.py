@@ -8,7 +8,7 @@ from hypothesis import given, settings
 
 from tokenswift import Pipeline
 from tokenswift.registry import build_registry, get_plugin_manager
-from tokenswift.testing import assert_lossless, looping_model, tiny_model_for, word_tokenizer
+from tokenswift.testing import FIXED_TREE, assert_lossless, looping_model, tiny_model_for, word_tokenizer
 
 pytest.importorskip("tokenswift_suffix", reason="install the plugin: pip install ./plugins/tokenswift-suffix")
 from tokenswift_suffix.automaton import SuffixAutomaton  # noqa: E402
@@ -61,7 +61,7 @@ def test_suffix_is_lossless(drafter, cache, arch, greedy, prompt, seed):
 
 
 def test_suffix_branches_are_accepted_on_repetitive_text():
-    spec = {"preset": "suffix", "sampling": {"greedy": True}, "penalty": {"name": "none"}}
+    spec = {"preset": "suffix", "sampling": {"greedy": True}, "penalty": {"name": "none"}, **FIXED_TREE}
     result = assert_lossless(Pipeline.from_spec(spec, looping_model()), [1, 2, 3, 4, 5, 6], 60)
     assert result.stats.tokens_per_step > 2 and result.stats.retriever_share == 1.0
 
