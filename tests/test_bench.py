@@ -17,10 +17,10 @@ def test_bench_on_a_tiny_model(tmp_path):
         config, progress, model=looping_model(dtype="float32"), tokenizer=word_tokenizer(),
         on_method=lambda so_far, _: partial.append([r.method for r in so_far]),
     )
-    assert [len(p) for p in partial] == [1, 2, 3, 4, 5, 6] and partial[-1] == [r.method for r in results]
+    assert [len(p) for p in partial] == [1, 2, 3, 4, 5, 6, 7] and partial[-1] == [r.method for r in results]
     assert all(counted[r.method] == 40 for r in results), counted  # live progress, transformers' methods too
     by_method = {r.method: r for r in results}
-    assert list(by_method) == ["hf-generate", "hf-prompt-lookup", "ar", "tokenswift", "medusa", "prompt-lookup"]
+    assert list(by_method) == ["hf-generate", "hf-prompt-lookup", "ar", "tokenswift", "medusa", "eagle", "prompt-lookup"]
     for r in results:
         assert r.error is None and r.new_tokens == 40 and r.tokens_per_second > 0 and r.speedup is not None
     # Greedy: every method emits exactly what ar emits (transformers' included, same windowed penalty).
@@ -28,7 +28,7 @@ def test_bench_on_a_tiny_model(tmp_path):
     assert by_method["hf-generate"].speedup == 1.0
     paths = write_reports(results, info, tmp_path)
     data = json.loads(paths["json"].read_text())
-    assert data["config"]["new_tokens"] == 40 and len(data["results"]) == 6
+    assert data["config"]["new_tokens"] == 40 and len(data["results"]) == 7
     assert "| tokenswift |" in paths["markdown"].read_text()
     assert paths["plot"].read_bytes()[:4] == b"\x89PNG"
 

@@ -47,7 +47,7 @@ def test_spec_file(tmp_path, model_dir, capsys):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["generate", "--preset", "nope"], "unknown preset 'nope'; valid presets: ['ar', 'medusa', 'prompt-lookup', 'tokenswift']"),
+        (["generate", "--preset", "nope"], "unknown preset 'nope'; valid presets: ['ar', 'eagle', 'medusa', 'prompt-lookup', 'tokenswift']"),
         (["generate", "--max-new-tokens", "0"], "--max-new-tokens must be a positive integer, got 0"),
         (["generate", "--max-new-tokens", "ten"], "invalid int value: 'ten'"),
         (["generate", "--prompt", "   "], "the prompt is empty"),

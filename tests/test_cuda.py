@@ -32,13 +32,15 @@ def cuda_model(name: str = "llama-gqa", dtype: str = "float64"):
     return tiny_model(TINY_CONFIGS[name], seed=0, dtype=dtype, device=DEVICE)
 
 
-@pytest.mark.parametrize("preset", ["ar", "tokenswift", "medusa", "prompt-lookup"])
+@pytest.mark.parametrize("preset", ["ar", "tokenswift", "medusa", "eagle", "prompt-lookup"])
 @pytest.mark.parametrize("cache", list(CACHES))
 @pytest.mark.parametrize("sampling", list(SAMPLINGS))
 def test_presets_are_lossless_on_cuda(preset, cache, sampling):
     overrides = {"cache": CACHES[cache], "sampling": SAMPLINGS[sampling]}
     if preset in ("tokenswift", "medusa"):
         overrides["drafter"] = {"heads": "random"}
+    if preset == "eagle":
+        overrides["drafter"] = {"weights": "random"}
     pipe = Pipeline.from_spec(preset, cuda_model(), overrides=overrides)
     assert pipe.runner.device.type == DEVICE
     result = assert_lossless(pipe, [5, 6, 7, 8] * 6, 32, seed=3)
@@ -55,10 +57,12 @@ def test_float32_greedy_presets_match_ar_on_cuda():
     model = cuda_model(dtype="float32")
     prompt = [3, 1, 4, 1, 5, 9, 2, 6] * 3
     runs = {}
-    for preset in ("ar", "tokenswift", "medusa", "prompt-lookup"):
+    for preset in ("ar", "tokenswift", "medusa", "eagle", "prompt-lookup"):
         overrides = {"sampling": {"greedy": True}}
         if preset in ("tokenswift", "medusa"):
             overrides["drafter"] = {"heads": "random"}
+        if preset == "eagle":
+            overrides["drafter"] = {"weights": "random"}
         runs[preset] = Pipeline.from_spec(preset, model, overrides=overrides).generate(prompt, 48, ignore_eos=True).tokens
     assert all(tokens == runs["ar"] for tokens in runs.values()), runs
 

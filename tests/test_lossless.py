@@ -13,6 +13,7 @@ DRAFTERS = {
     "none": {"name": "none"},
     "tokenswift": {"name": "tokenswift", "heads": "random", "tree": [2, 2, 2, 1]},
     "medusa": {"name": "medusa", "heads": "random", "tree": [[0], [1], [0, 0], [0, 1], [0, 0, 0]]},
+    "eagle": {"name": "eagle", "weights": "random", "depth": 3, "width": 2, "children": 2, "threshold": 0.0},
 }
 RETRIEVERS = {
     "none": {"name": "none"},
@@ -70,10 +71,12 @@ def test_every_combination_is_lossless(drafter, retriever, cache, penalty, arch,
     assert_lossless(Pipeline.from_spec(spec, model), prompt, 24, seed=seed)
 
 
-@pytest.mark.parametrize("preset", ["ar", "tokenswift", "medusa", "prompt-lookup"])
+@pytest.mark.parametrize("preset", ["ar", "tokenswift", "medusa", "eagle", "prompt-lookup"])
 @pytest.mark.parametrize("greedy", [True, False])
 def test_presets_are_lossless(preset, greedy):
     overrides = {"cache": CACHES["dynamic"]} if preset == "tokenswift" else {}
+    if preset == "eagle":
+        overrides["drafter"] = {"weights": "random"}
     if greedy:
         overrides["sampling"] = {"greedy": True}
     pipe = Pipeline.from_spec(preset, tiny_model_for("llama-gqa"), overrides=overrides)

@@ -112,19 +112,22 @@ def test_the_choice_keeps_parents_before_children():
 
 
 def test_gate_backs_off_while_proposing_does_not_pay_and_resumes_when_it_does():
-    gate = DraftGate(longest=4)
+    gate = DraftGate(longest=4, trial=2)
     pattern = []
     for _ in range(14):
         drafted = gate.draft()
         pattern.append(drafted)
         if drafted:
             gate.observe(-0.001)  # proposing took a millisecond, nothing was accepted
-    assert pattern == [True, False, True, False, False, True, False, False, False, False, True, False, False, False]
-    assert gate.exploring  # waited the longest: its likeliest candidate is verified next time
-    gate.observe(0.05)  # an accepted token saved a 50 ms forward
-    assert gate.backoff == 1 and not gate.exploring
+    # each trial is two steps; the waits between them double up to the longest
+    assert pattern == [True, True, False, True, True, False, False, True, True, False, False, False, False, True]
+    assert gate.exploring and gate.wait == 0  # a trial has begun: its likeliest candidate is verified
+    gate.observe(0.05)  # the trial's second step: an accepted token saved a 50 ms forward, so it paid
+    assert gate.backoff == 1 and not gate.exploring and gate.draft()
     gate.observe(-0.001)
-    assert gate.backoff == 1  # on average it still pays
+    assert gate.draft()  # over the last two steps it still pays
+    gate.observe(-0.001)
+    assert not gate.draft()  # no longer
 
 
 def test_pass_chooser_prefers_the_faster_arm_and_keeps_exploring():

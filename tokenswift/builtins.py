@@ -7,6 +7,7 @@ import pluggy
 from tokenswift.caches.dynamic import DynamicPolicy
 from tokenswift.caches.full import FullPolicy
 from tokenswift.caches.streaming import StreamingPolicy
+from tokenswift.drafters.eagle import EagleDrafter
 from tokenswift.drafters.medusa import MedusaDrafter
 from tokenswift.drafters.none import NoDrafter
 from tokenswift.drafters.tokenswift import TokenSwiftDrafter
@@ -22,7 +23,7 @@ from tokenswift.verifiers.tree_sampling import TreeSamplingVerifier
 hookimpl = pluggy.HookimplMarker("tokenswift")
 
 COMPONENTS = {
-    "drafter": {"none": NoDrafter, "tokenswift": TokenSwiftDrafter, "medusa": MedusaDrafter},
+    "drafter": {"none": NoDrafter, "tokenswift": TokenSwiftDrafter, "medusa": MedusaDrafter, "eagle": EagleDrafter},
     "retriever": {"none": NoRetriever, "ngram": NgramRetriever, "prompt-lookup": PromptLookupRetriever},
     "cache": {"full": FullPolicy, "dynamic": DynamicPolicy, "streaming": StreamingPolicy},
     "verifier": {"tree-sampling": TreeSamplingVerifier, "greedy": GreedyVerifier},

@@ -76,6 +76,30 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--holdout", default="wuthering_heights", help="comma-separated book ids kept for evaluation")
     train.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
 
+    drafter = sub.add_parser(
+        "train-drafter", help="train the eagle drafter's network (one layer over the model's features) on a JSON Lines corpus"
+    )
+    drafter.add_argument("--model", default=DEFAULT_MODEL, help=f"the target model (default {DEFAULT_MODEL!r})")
+    drafter.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32", help="the target's dtype for its features")
+    drafter.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    drafter.add_argument("--data", required=True, help="JSON Lines file, one object with a 'text' key per line")
+    drafter.add_argument("--out", required=True, help="directory for the network, checkpoints and training.json")
+    drafter.add_argument("--features", help="folder for the cached target features (default OUT/features)")
+    drafter.add_argument("--windows", type=int, default=512, help="training windows whose features are cached (default 512)")
+    drafter.add_argument("--seq-len", type=int, default=512)
+    drafter.add_argument("--steps", type=int, default=300)
+    drafter.add_argument("--batch", type=int, default=8)
+    drafter.add_argument("--depth", type=int, default=2, help="draft levels unrolled in training (default 2)")
+    drafter.add_argument("--draft-vocab", type=int, default=8192, help="LM-head rows the draft ranks (default 8192)")
+    drafter.add_argument("--penalty", type=float, default=1.2,
+                         help="train on distributions after this contextual penalty, as the presets sample (1.0: raw)")
+    drafter.add_argument("--lr", type=float, default=1e-3)
+    drafter.add_argument("--warmup", type=int, default=20)
+    drafter.add_argument("--seed", type=int, default=0)
+    drafter.add_argument("--checkpoint-every", type=int, default=25)
+    drafter.add_argument("--holdout", default="wuthering_heights", help="comma-separated book ids kept for evaluation")
+    drafter.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+
     fit = sub.add_parser(
         "fit-tree",
         help="fit the tokenswift drafter's tree to how its drafts are accepted; writes tree.json beside the heads",
@@ -173,6 +197,10 @@ def _dispatch(args, argv) -> int:
         from tokenswift.commands import train_heads
 
         return train_heads.run(args, argv)
+    if args.command == "train-drafter":
+        from tokenswift.commands import train_drafter
+
+        return train_drafter.run(args, argv)
     if args.command == "fit-tree":
         from tokenswift.commands import fit_tree
 

@@ -78,8 +78,8 @@ class Generation:
         self.parent_hidden: torch.Tensor | None = None  # [hidden_size], gave the current root token
         # Each step's tree chosen by expected tokens per predicted second, unless the spec
         # fixes it (or ranks must agree on trees without timings: under torchrun).
-        self.costs = pipeline.costs()
-        auto = pipeline.spec.speculation.tree == "auto" and self.costs is not None
+        self.costs = pipeline.costs() if pipeline.spec.speculation.tree == "auto" else None
+        auto = self.costs is not None
         self.tracker = AcceptanceTracker() if auto else None
         self.passes = PassChooser() if auto else None
         self.gates = {DRAFTER: DraftGate(), RETRIEVER: DraftGate()} if auto else None
@@ -118,9 +118,13 @@ class Generation:
         pipeline, runner = self.pipeline, self.pipeline.runner
         started = time.perf_counter()
         runner.allocate(len(self.prompt_ids) + self.max_new_tokens + pipeline.max_tree_nodes())
-        self.parent_hidden = runner.prefill(torch.tensor(self.state.tokens[:-1], dtype=torch.long))
+        wanted = pipeline.drafter.prompt_features
+        hidden = runner.prefill(torch.tensor(self.state.tokens[:-1], dtype=torch.long), keep_hidden=max(1, wanted))
+        self.parent_hidden = None if hidden is None else hidden[-1]
         for component in pipeline.components:
             component.start(self.state)
+        if wanted:
+            pipeline.drafter.prime(self.state, hidden)
         self.prefill_seconds = time.perf_counter() - started
         self._prefilled = True
 

@@ -142,6 +142,18 @@ class Drafter(Component):
     #: before :meth:`propose` and passes the result as ``inputs.root``.
     needs_root_pass: ClassVar[bool] = False
 
+    @property
+    def prompt_features(self) -> int:
+        """How many of the prompt's last positions' final-norm hidden states the drafter
+        wants at :meth:`prime` (0: none; the prefill then keeps only the last)."""
+        return 0
+
+    def prime(self, state: DecodeState, hidden: torch.Tensor | None) -> None:
+        """After :meth:`start`, for a drafter with :attr:`prompt_features`: ``hidden`` is
+        [m, hidden_size], the final-norm hidden states of the m positions before the
+        root (position p's state gave token p+1), m <= prompt_features; None for a
+        one-token context."""
+
     @abc.abstractmethod
     def propose(self, state: DecodeState, inputs: DraftInputs) -> list[list[int] | Branch]:
         """Branches (token lists, or :class:`~tokenswift.tree.Branch` with confidences)

@@ -35,6 +35,9 @@ PRESETS: dict[str, dict] = {
     ),
     # Medusa: the heads on the verify pass's hidden state; no extra forward, no reuse.
     "medusa": _preset({"name": "medusa", "heads": "auto", "tree": [3, 3, 3]}, {"name": "none"}, {"name": "full"}),
+    # EAGLE-style: one draft layer on the verify pass's features drafts a tree level by
+    # level (no extra forward of the model); 4-gram reuse adds branches.
+    "eagle": _preset({"name": "eagle", "weights": "auto"}, {"name": "ngram", "n": 4, "top_k": 20}, {"name": "full"}),
     # Prompt lookup: no model-based drafts, the continuation of the latest match.
     "prompt-lookup": _preset({"name": "none"}, {"name": "prompt-lookup"}, {"name": "full"}),
 }

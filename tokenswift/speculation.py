@@ -25,6 +25,7 @@ change the trees between two runs with the same seed, never the tokens.
 from __future__ import annotations
 
 import bisect
+import collections
 from collections import defaultdict
 
 import attrs
@@ -164,23 +165,25 @@ def choose(
 
 
 class DraftGate:
-    """Whether a proposer (the drafter, the retriever) runs this step. It keeps running
-    while what its candidates earn (the forwards their accepted tokens save, less the
-    verify time their nodes added and the time proposing took, measured step by step
-    and averaged) stays positive; otherwise it waits 1, then 2, 4, ... up to ``longest``
-    steps before trying again, so that proposing what does not pay costs next to
-    nothing."""
+    """Whether a proposer (the drafter, the retriever) runs this step. Once open, it
+    runs for at least ``trial`` steps and stays open while what its candidates earned
+    over the last ``trial`` steps (the forwards their accepted tokens saved, less the
+    verify time their nodes added and the time proposing took) is positive; otherwise
+    it waits 1, then 2, 4, ... up to ``longest`` steps before a new trial, so that
+    proposing what does not pay costs next to nothing. Judging a trial rather than one
+    step keeps one unlucky step (a draft is accepted half the time at best) from
+    shutting out a proposer that pays on average."""
 
-    def __init__(self, *, longest: int = 128, smoothing: float = 0.2) -> None:
+    def __init__(self, *, longest: int = 128, trial: int = 4) -> None:
         self.longest = longest
-        self.smoothing = smoothing
-        self.earned = 0.0  # exponential average of seconds earned per step proposed
+        self.trial = trial
+        self.recent: collections.deque[float] = collections.deque(maxlen=trial)  # seconds earned per step
         self.wait = 0
         self.backoff = 1
 
     @property
     def exploring(self) -> bool:
-        """The proposer has not paid for as long as the gate waits: its next step
+        """The proposer has not paid for as long as the gate waits: its next trial
         verifies its likeliest candidate anyway (see :func:`choose`), so that a proposer
         whose confidences undersell it is found out, at most once every ``longest`` steps."""
         return self.backoff >= self.longest
@@ -193,12 +196,15 @@ class DraftGate:
 
     def observe(self, earned_seconds: float) -> None:
         """What the proposer's candidates earned this step (negative: they cost)."""
-        self.earned += self.smoothing * (earned_seconds - self.earned)
-        if self.earned > 0:
+        self.recent.append(earned_seconds)
+        if len(self.recent) < self.trial:
+            return
+        if sum(self.recent) > 0:
             self.backoff = 1
         else:
             self.wait = self.backoff
             self.backoff = min(2 * self.backoff, self.longest)
+            self.recent.clear()
 
 
 class PassChooser:

@@ -20,6 +20,17 @@ def int_at_least(option: str, low: int, *, optional: bool = False):
     return convert
 
 
+def integer(option: str):
+    """An attrs converter accepting any integer (not a bool)."""
+
+    def convert(value):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise SpecError(f"{option} must be an integer, got {value!r}")
+        return value
+
+    return convert
+
+
 def boolean(option: str):
     """An attrs converter accepting only ``true`` / ``false``."""
 

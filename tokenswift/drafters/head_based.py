@@ -14,7 +14,7 @@ from tokenswift.drafters.draft_heads import DraftHeads, find_shipped_heads
 from tokenswift.errors import SpecError
 from tokenswift.interfaces import Drafter
 from tokenswift.tree import Branch
-from tokenswift.validation import int_at_least
+from tokenswift.validation import int_at_least, integer
 
 logger = logging.getLogger(__name__)
 
@@ -25,12 +25,6 @@ def _heads_source(value):
             f"drafter.heads must be 'auto' (the shipped heads for this model), 'random', "
             f"or a directory of saved heads; got {value!r}"
         )
-    return value
-
-
-def _seed(value):
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise SpecError(f"drafter.seed must be an integer, got {value!r}")
     return value
 
 
@@ -47,7 +41,7 @@ class HeadDrafter(Drafter):
         heads: str = attrs.field(default="auto", converter=_heads_source)
         tree: list = attrs.field(default=None)
         num_heads: int = attrs.field(default=3, converter=int_at_least("drafter.num_heads", 1))
-        seed: int = attrs.field(default=0, converter=_seed)
+        seed: int = attrs.field(default=0, converter=integer("drafter.seed"))
 
     def __init__(self, options, context) -> None:
         super().__init__(options, context)

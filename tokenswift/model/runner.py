@@ -219,14 +219,17 @@ class Runner:
         with products:
             return self.lm_head(hidden).to(self.logits_dtype)
 
-    def prefill(self, tokens: torch.Tensor, *, chunk_size: int = 512) -> torch.Tensor | None:
+    def prefill(self, tokens: torch.Tensor, *, chunk_size: int = 512, keep_hidden: int = 1) -> torch.Tensor | None:
         """Forward a prompt in causal chunks and commit all of it. tokens: [n] long.
-        Returns the last token's final-norm hidden state ([hidden_size]; None for n = 0)."""
+        Returns the final-norm hidden states of its last ``keep_hidden`` tokens
+        ([min(keep_hidden, n), hidden_size]; None for n = 0)."""
         tokens = torch.as_tensor(tokens, dtype=torch.long)
-        last = None
+        kept = None
         for start in range(0, int(tokens.numel()), chunk_size):
             chunk = tokens[start : start + chunk_size]
             out = self.forward(chunk, logits_rows=None)
             self.commit(torch.arange(chunk.numel()))
-            last = out.hidden[-1].clone()
-        return last
+            tail = out.hidden[-keep_hidden:]
+            kept = tail if kept is None else torch.cat([kept, tail])[-keep_hidden:]
+            kept = kept.clone()
+        return kept

@@ -26,7 +26,18 @@ from tokenswift.scoring import Scorer
 logger = logging.getLogger(__name__)
 
 HF_METHODS = ("hf-generate", "hf-prompt-lookup")
-PRESET_METHODS = ("ar", "tokenswift", "medusa", "prompt-lookup")
+PRESET_METHODS = ("ar", "tokenswift", "medusa", "eagle", "prompt-lookup")
+
+
+def drafter_overrides(preset: str, heads: str) -> dict:
+    """The drafter options a benchmark gives ``preset``: ``heads`` for the head drafters;
+    for ``eagle``, random weights when the heads are random (measuring the machinery),
+    else its shipped ones."""
+    if preset in ("tokenswift", "medusa"):
+        return {"heads": heads}
+    if preset == "eagle":
+        return {"weights": "random" if heads == "random" else "auto"}
+    return {}
 BLOCK = 1000
 
 
@@ -187,8 +198,8 @@ def run_bench(
                 stamps = clock.times
             else:
                 spec = {"preset": method, "penalty": penalty, "sampling": _sampling_spec(config)}
-                if method in ("tokenswift", "medusa"):
-                    spec["drafter"] = {"heads": config.heads}
+                if drafter_overrides(method, config.heads):
+                    spec["drafter"] = drafter_overrides(method, config.heads)
                 pipe = Pipeline.from_spec(spec, model, tokenizer)
 
                 class Clock:

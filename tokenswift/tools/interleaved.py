@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 import attrs
 
 from tokenswift.stats import StatsCollector
+from tokenswift.tools.bench import drafter_overrides
 
 
 @attrs.frozen(kw_only=True)
@@ -108,8 +109,8 @@ def compare_presets(
         pipes = {}
         for name in names:
             spec_overrides = dict(overrides)
-            if name in ("tokenswift", "medusa"):
-                spec_overrides["drafter"] = {"heads": heads}
+            if drafter_overrides(name, heads):
+                spec_overrides["drafter"] = drafter_overrides(name, heads)
             pipes[name] = Pipeline.from_spec(name, model, tokenizer, overrides=spec_overrides)
         results = run_interleaved(pipes, prompt, new_tokens, seed=seed, progress=progress)
         per_seed.append({

@@ -1,0 +1,155 @@
+"""The ``eagle`` drafter: its draft layer kept in step with the text, training that
+teaches it, the CLI that trains it, and clear errors. (Losslessness with every
+retriever, cache and penalty: tests/test_lossless.py.)"""
+
+import json
+
+import pytest
+import torch
+
+from tokenswift import Pipeline
+from tokenswift.cli import main
+from tokenswift.drafters.eagle import EagleDrafter
+from tokenswift.drafters.feature_net import FeatureNet
+from tokenswift.errors import ModelLoadError, SpecError
+from tokenswift.interfaces import DraftInputs
+from tokenswift.testing import FIXED_TREE, assert_lossless, looping_model, tiny_model_for, word_tokenizer
+from tokenswift.tools.drafter_training import DrafterTrainConfig, first_seen, penalize, train_drafter
+from tests.test_training import cyclic_corpus
+
+SMALL = dict(windows=16, seq_len=32, batch=4, positions=0, draft_vocab=64, eval_windows=8, warmup=5, lr=3e-3)
+
+
+def decisive_net(model, directory, std=0.3):
+    """Random weights large enough that the draft's probabilities are far from ties."""
+    net = FeatureNet.for_model(model).initialise(seed=3, std=std)
+    net.save_pretrained(directory)
+    return str(directory)
+
+
+def test_training_teaches_the_drafter_and_its_drafts_are_accepted(tmp_path):
+    model = looping_model()
+    record = train_drafter(model, cyclic_corpus(), tmp_path, DrafterTrainConfig(steps=60, **SMALL))
+    assert min(record["held_out_agreement"]["top1"]) > 0.9, record  # a deterministic cycle is learnable
+    spec = {"preset": "eagle", "drafter": {"weights": str(tmp_path)}, "sampling": {"greedy": True},
+            "penalty": {"name": "none"}, **FIXED_TREE}
+    result = assert_lossless(Pipeline.from_spec(spec, model), [3, 1, 4], 60)
+    assert result.stats.tokens_per_step > 3  # several levels deep are accepted: the levels chain right
+
+
+@pytest.mark.parametrize("arch", ["llama-gqa", "qwen2"])
+def test_the_draft_layer_stays_in_step_with_the_committed_text(arch, tmp_path):
+    """After steps of generation, the running drafter proposes what a fresh drafter
+    primed with the whole context's features proposes: the pairs it keeps are the
+    committed text's, at the right positions."""
+    model = tiny_model_for(arch, "float64")
+    weights = decisive_net(model, tmp_path)
+    spec = {"preset": "eagle", "drafter": {"weights": weights, "threshold": 0.0}, "retriever": {"name": "ngram"},
+            "sampling": {"greedy": True}, "penalty": {"name": "none"}, **FIXED_TREE}
+    pipe = Pipeline.from_spec(spec, model)
+    generation = pipe.start([5, 9, 17, 3] * 3, 40, seed=2, ignore_eos=True)  # greedy tiny models loop: n-grams hit
+    records = list(generation.steps())
+    assert sum(record.accepted for record in records) > 0  # multi-token steps happened
+    state = generation.state
+    running = pipe.drafter.propose(state, DraftInputs())
+
+    fresh = EagleDrafter(pipe.drafter.options, pipe.drafter.context)
+    fresh.start(state)
+    with torch.no_grad():
+        hidden = model.get_decoder()(input_ids=torch.tensor([state.tokens[:-1]])).last_hidden_state[0]
+    fresh.prime(state, hidden)
+    recomputed = fresh.propose(state, DraftInputs())
+    assert [b.tokens for b in running] == [b.tokens for b in recomputed]
+    for a, b in zip(running, recomputed):
+        assert a.confidence == pytest.approx(b.confidence, rel=1e-4, abs=1e-6)
+
+
+def test_the_tree_has_the_asked_shape(tmp_path):
+    model = tiny_model_for("llama-mha", "float64")
+    drafter = {"weights": decisive_net(model, tmp_path), "depth": 3, "width": 2, "children": 3, "threshold": 0.0}
+
+    def proposal(sampling):
+        pipe = Pipeline.from_spec({"preset": "eagle", "drafter": drafter, "sampling": sampling}, model)
+        generation = pipe.start([1, 2, 3, 4], 2, seed=0, ignore_eos=True)
+        generation.prefill()
+        return pipe, pipe.drafter.propose(generation.state, DraftInputs())
+
+    pipe, branches = proposal({"greedy": True})
+    depths = [len(b.tokens) for b in branches]
+    assert depths.count(1) == 3 and depths.count(2) == 2 * 3 and depths.count(3) == 2 * 3
+    assert pipe.drafter.max_tree_nodes == len(branches)
+    # Under min-p, candidates the warpers filter out could never be drawn: not proposed.
+    _, branches = proposal({"temperature": 1.0, "min_p": 0.3})
+    assert 0 < len(branches) < pipe.drafter.max_tree_nodes and all(0 < c <= 1 for b in branches for c in b.confidence)
+
+
+def test_weights_made_for_another_model_are_refused(tmp_path):
+    weights = decisive_net(tiny_model_for("llama-mha"), tmp_path)
+    with pytest.raises(ModelLoadError, match="made for another model"):
+        Pipeline.from_spec({"preset": "eagle", "drafter": {"weights": weights}}, tiny_model_for("qwen2"))
+    with pytest.raises(ModelLoadError, match="no eagle drafter at"):
+        Pipeline.from_spec({"preset": "eagle", "drafter": {"weights": str(tmp_path / "missing")}}, looping_model())
+
+
+@pytest.mark.parametrize(
+    ("drafter", "message"),
+    [
+        ({"depth": 0}, r"drafter.depth must be an integer >= 1, got 0"),
+        ({"threshold": 1.5}, r"drafter.threshold must be a number in \[0, 1\), got 1.5"),
+        ({"weights": ""}, r"drafter.weights must be 'auto'"),
+        ({"seed": "x"}, r"drafter.seed must be an integer, got 'x'"),
+        ({"vocab": 1}, r"drafter.vocab must be an integer >= 2, got 1"),
+    ],
+)
+def test_bad_options_are_clear_errors(drafter, message):
+    with pytest.raises(SpecError, match=message):
+        Pipeline.from_spec({"preset": "eagle", "drafter": {"weights": "random", **drafter}}, tiny_model_for("llama-mha"))
+
+
+def test_cli_train_drafter_records_the_run_and_resumes(tmp_path, capsys):
+    model_dir = tmp_path / "model"
+    looping_model(dtype="float32").save_pretrained(model_dir)
+    word_tokenizer().save_pretrained(model_dir)
+    data = tmp_path / "books.jsonl"
+    text = " ".join(["the cat sat on the mat", "a dog sat on the cat"] * 40)
+    data.write_text(json.dumps({"id": "train", "text": text}) + "\n" + json.dumps({"id": "held", "text": text}) + "\n")
+    out = tmp_path / "eagle"
+    argv = ["train-drafter", "--model", str(model_dir), "--data", str(data), "--out", str(out), "--windows", "9",
+            "--steps", "4", "--seq-len", "32", "--batch", "2", "--draft-vocab", "16", "--holdout", "held",
+            "--checkpoint-every", "2"]
+    assert main(argv) == 0
+    record = json.loads((out / "training.json").read_text())
+    assert record["command"].startswith("tokenswift train-drafter --model") and record["feature_tokens"] == 9 * 32
+    assert len(record["held_out_agreement"]["top1"]) == 4 and record["config"]["draft_vocab"] == 16
+    assert sorted(p.name for p in (out / "features").iterdir()) == ["chunk-0000.safetensors", "chunk-0001.safetensors"]
+    assert (out / "model.safetensors").is_file() and (out / "checkpoint.pt").is_file()
+    assert main([*argv, "--steps", "6", "--resume"]) == 0
+    net = FeatureNet.from_pretrained(out)
+    assert net.draft_tokens.numel() == 16 and net.draft_tokens[0].item() in (1, 2, 3, 4, 5, 6)  # frequent words first
+    capsys.readouterr()
+    assert main(["train-drafter", "--model", str(model_dir), "--data", str(data), "--out", str(tmp_path / "x"), "--resume"]) == 2
+    assert "no checkpoint" in capsys.readouterr().err
+
+
+def test_the_penalty_in_training_sees_each_positions_own_past():
+    draft_index = torch.tensor([2, 0, 1, 3, 3])  # ids 0..4 -> rows; ids 3, 4 are outside (row 3 = extra)
+    first = first_seen(torch.tensor([[1, 4, 0, 1]]), draft_index, 3)
+    assert first.tolist() == [[0, 4, 2]]  # id 1 (row 0) at 0, id 2 (row 1) never, id 0 (row 2) at 2; id 4 dropped
+    seen_by = first[:, None, :] <= torch.arange(4)[None, :, None]
+    assert seen_by[0].tolist() == [[True, False, False], [True, False, False], [True, False, True], [True, False, True]]
+    logits = torch.tensor([[2.0, -1.0, 3.0]])
+    assert penalize(logits, torch.tensor([[True, True, False]]), 2.0).tolist() == [[1.0, -2.0, 3.0]]
+    assert penalize(logits, None, 2.0) is logits
+
+
+def test_a_smaller_draft_vocabulary_drafts_only_its_tokens(tmp_path):
+    model = tiny_model_for("llama-mha", "float64")
+    weights = decisive_net(model, tmp_path)
+    spec = {"preset": "eagle", "drafter": {"weights": weights, "vocab": 8, "threshold": 0.0}, **FIXED_TREE}
+    pipe = Pipeline.from_spec(spec, model)
+    allowed = set(FeatureNet.from_pretrained(weights).draft_tokens[:8].tolist())
+    generation = pipe.start([1, 2, 3, 4], 2, seed=0, ignore_eos=True)
+    generation.prefill()
+    branches = pipe.drafter.propose(generation.state, DraftInputs())
+    assert branches and all(set(b.tokens) <= allowed for b in branches)
+    assert_lossless(Pipeline.from_spec(spec, model), [1, 2, 3, 4], 20, seed=5)

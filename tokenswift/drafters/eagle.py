@@ -1,0 +1,258 @@
+"""The ``eagle`` drafter: a one-layer network over the target's features (EAGLE-style).
+
+No extra forward of the target. Each step the drafter
+
+1. feeds its layer the pairs (feature, next token) that the last verify forward
+   committed: the root's and every accepted node's hidden state, each with the token
+   that followed it (the last pair is the one that gave the current root). Their keys
+   and values join the draft layer's own cache (the last ``window`` pairs);
+2. from the output of the last pair (the predicted feature of the root's position)
+   ranks depth 1 over the draft vocabulary;
+3. expands level by level: the ``width`` most likely nodes so far (by the product of
+   their probabilities along the path) each get their pair (the parent's predicted
+   feature, the node's token) forwarded, attending to the committed pairs and to their
+   own ancestors, and their ``children`` best next tokens become the next level.
+
+Candidates are ranked as verification will score them (``penalize``: the pipeline's
+penalty and warpers over each candidate's context, as the ``tokenswift`` drafter ranks
+its depth 1). Every node carries its draft probability as its confidence, so the cost-aware tree
+choice can keep the ones that pay. The network: :mod:`tokenswift.drafters.feature_net`;
+training: ``tokenswift train-drafter``.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+
+import attrs
+import torch
+
+from tokenswift.drafters.feature_net import FeatureNet, find_shipped_drafter
+from tokenswift.errors import SpecError
+from tokenswift.interfaces import Drafter
+from tokenswift.tree import DRAFTER, Branch
+from tokenswift.validation import boolean, int_at_least, integer
+
+logger = logging.getLogger(__name__)
+
+
+def _weights_source(value):
+    if not isinstance(value, str) or not value:
+        raise SpecError(
+            f"drafter.weights must be 'auto' (the drafter shipped for this model), 'random', "
+            f"or a directory from `tokenswift train-drafter`; got {value!r}"
+        )
+    return value
+
+
+def _threshold(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise SpecError(f"drafter.threshold must be a number in [0, 1), got {value!r}")
+    return float(value)
+
+
+@attrs.define(eq=False)
+class _Node:
+    """A drafted token: its path from depth 1 (tokens, confidences), the chance of the
+    whole path, the predicted feature it is drafted from, and its ancestors' rows in
+    the step's scratch keys."""
+
+    tokens: list[int]
+    confidence: list[float]
+    chance: float
+    feature: torch.Tensor  # [H]
+    ancestors: list[int]
+
+
+class EagleDrafter(Drafter):
+    """A draft decoder layer on the verify pass's features; no extra target forward."""
+
+    name = "eagle"
+
+    @attrs.frozen(kw_only=True)
+    class Options:
+        weights: str = attrs.field(default="auto", converter=_weights_source)
+        depth: int = attrs.field(default=4, converter=int_at_least("drafter.depth", 1))
+        width: int = attrs.field(default=2, converter=int_at_least("drafter.width", 1))
+        children: int = attrs.field(default=3, converter=int_at_least("drafter.children", 1))
+        threshold: float = attrs.field(default=0.02, converter=_threshold)
+        window: int = attrs.field(default=512, converter=int_at_least("drafter.window", 1))
+        penalize: bool = attrs.field(default=True, converter=boolean("drafter.penalize"))
+        vocab: int = attrs.field(default=None, converter=int_at_least("drafter.vocab", 2, optional=True))
+        seed: int = attrs.field(default=0, converter=integer("drafter.seed"))
+
+    def __init__(self, options, context) -> None:
+        super().__init__(options, context)
+        runner = context.runner
+        self.runner = runner
+        model = runner.model
+        source = options.weights
+        if source == "auto":
+            shipped = find_shipped_drafter(model)
+            if shipped is None:
+                logger.warning(
+                    "no shipped eagle drafter matches this model; using a random one (still lossless, but slow). "
+                    "Train one with `tokenswift train-drafter` and pass drafter.weights = DIR."
+                )
+                source = "random"
+            else:
+                source = str(shipped)
+        if source == "random":
+            net = FeatureNet.for_model(model).initialise(seed=options.seed)
+        else:
+            net = FeatureNet.from_pretrained(source, model)
+        self.net = net.to(device=runner.device, dtype=torch.float32).eval()
+        self.embed = model.get_input_embeddings()
+        # The draft vocabulary is sorted by frequency: ``vocab`` keeps its first rows.
+        draft_tokens = self.net.draft_tokens[: options.vocab]
+        self.head = runner.lm_head.weight.detach()[draft_tokens].to(torch.float32)  # [V', H]
+        self.draft_tokens = draft_tokens.tolist()
+        # target id -> row of the draft vocabulary; ids outside it -> the extra last column
+        self.draft_index = torch.full((runner.vocab_size,), len(draft_tokens), dtype=torch.long, device=runner.device)
+        self.draft_index[draft_tokens] = torch.arange(len(draft_tokens), device=runner.device)
+        self.start(None)
+        logger.info("eagle drafter: %s, draft vocabulary %d, depth %d", source, len(self.draft_tokens), options.depth)
+
+    @property
+    def max_tree_nodes(self) -> int:
+        o = self.options
+        return o.children + (o.depth - 1) * o.width * o.children
+
+    @property
+    def prompt_features(self) -> int:
+        return self.options.window
+
+    # -- keeping the draft layer's cache in step with the committed text ---------------
+
+    def start(self, state) -> None:
+        shape = (1, self.net.config.num_kv_heads, 0, self.net.config.head_dim)
+        self.keys = torch.zeros(shape, device=self.runner.device)
+        self.values = torch.zeros(shape, device=self.runner.device)
+        self.pending_features: list[torch.Tensor] = []  # [H] each, the pairs not yet in the cache
+        self.pending_tokens: list[int] = []
+        self.next_position = 0  # the position of the first pending pair
+        self.verified_depths: collections.deque[int] = collections.deque([self.options.depth], maxlen=8)
+
+    def prime(self, state, hidden: torch.Tensor | None) -> None:
+        """hidden: [m, H], the prompt's last m positions before the root (each the
+        feature that gave the token after it)."""
+        if hidden is None or len(hidden) == 0:
+            return
+        m = len(hidden)
+        self.next_position = len(state.tokens) - 1 - m
+        self.pending_features = list(hidden)
+        self.pending_tokens = state.tokens[-m:]
+        if m > 1:  # the prompt's pairs now, with the prefill; the last one drafts the first step
+            last_feature, last_token = self.pending_features.pop(), self.pending_tokens.pop()
+            with torch.inference_mode():
+                self._commit_pending()
+            self.pending_features, self.pending_tokens = [last_feature], [last_token]
+
+    def observe(self, state, outcome) -> None:
+        tree = outcome.tree
+        self.verified_depths.append(max((d for d, src in zip(tree.depths, tree.sources) if src == DRAFTER), default=0))
+        for node, token in zip([0, *outcome.accepted], outcome.emitted):
+            self.pending_features.append(outcome.hidden[node])
+            self.pending_tokens.append(token)
+        excess = len(self.pending_tokens) - self.options.window  # older pairs would leave the window anyway
+        if excess > 0:
+            del self.pending_features[:excess], self.pending_tokens[:excess]
+            self.next_position += excess
+
+    def _commit_pending(self) -> tuple[torch.Tensor, int]:
+        """Run the pending pairs through the layer, keep their keys/values; return the
+        last pair's output ([H], the predicted feature of the root's position) and its
+        position."""
+        m = len(self.pending_tokens)
+        device = self.runner.device
+        tokens = torch.tensor(self.pending_tokens, device=device)
+        features = torch.stack(self.pending_features).to(device, torch.float32)
+        x = self.net.fuse(self.embed(tokens).to(torch.float32), features)[None]  # [1, m, H]
+        positions = torch.arange(self.next_position, self.next_position + m, device=device)
+        keys, values = self.net.keys_values(x, positions)
+        keys = torch.cat([self.keys, keys], 2)
+        values = torch.cat([self.values, values], 2)
+        old = self.keys.shape[2]
+        mask = torch.ones(m, old + m, dtype=torch.bool, device=device)
+        mask[:, old:] = torch.ones(m, m, dtype=torch.bool, device=device).tril()
+        out = self.net.attend(x, positions, keys, values, mask)[0, -1]
+        window = self.options.window
+        self.keys, self.values = keys[:, :, -window:], values[:, :, -window:]
+        position = self.next_position + m - 1
+        self.next_position += m
+        self.pending_features, self.pending_tokens = [], []
+        return out, position
+
+    # -- drafting ----------------------------------------------------------------------
+
+    @property
+    def depth_limit(self) -> int:
+        """How deep to draft: one level past the deepest drafted node verified in the
+        last steps (the tree choice rarely verifies deep levels where nodes are dear,
+        and drafting them costs time), at most ``depth``."""
+        return min(self.options.depth, max(self.verified_depths) + 1)
+
+    def _ranked(self, features: torch.Tensor, contexts: list[list[int]], k: int) -> tuple[list[list[int]], list[list[float]]]:
+        """features: [n, H]; contexts: per row the tokens before the drafted one (all of
+        one length) -> per row the k best draft tokens (target ids) and their
+        probabilities, scored as verification will score them: with ``penalize``, the
+        pipeline's penalty and warpers over each row's context, applied within the
+        draft vocabulary (ids outside it share one extra column)."""
+        logits = features @ self.head.T  # [n, V']
+        scorer = self.context.scorer
+        if self.options.penalize and scorer is not None:
+            extended = torch.cat([logits, logits.new_zeros(len(logits), 1)], dim=1)  # [n, V' + 1]
+            window = scorer.window
+            tails = torch.tensor([c[-window:] if window else [] for c in contexts], dtype=torch.long, device=logits.device)
+            logits = scorer(self.draft_index[tails], extended)[:, :-1]
+        probs = logits.softmax(-1)
+        top = probs.topk(min(k, probs.shape[-1]), dim=-1)
+        ids = [[self.draft_tokens[i] for i in row] for row in top.indices.tolist()]
+        return ids, top.values.tolist()
+
+    @torch.inference_mode()
+    def propose(self, state, inputs):
+        if not self.pending_tokens:
+            return []
+        options = self.options
+        root_feature, root_position = self._commit_pending()
+        window = self.context.scorer.window if self.context.scorer is not None else 0
+        tail = state.tokens[-window:] if window else []  # what the penalty sees of the committed text
+        ids, probs = self._ranked(root_feature[None], [tail], options.children)
+        # A candidate the warpers filtered out (probability 0) can never be drawn: dropped.
+        level = [_Node([t], [p], p, root_feature, []) for t, p in zip(ids[0], probs[0]) if p > 0]
+        drafted = list(level)
+        scratch_keys, scratch_values = [], []
+        device = self.runner.device
+        for depth in range(1, self.depth_limit):
+            expand = sorted((n for n in level if n.chance >= options.threshold), key=lambda n: -n.chance)[: options.width]
+            if not expand:
+                break
+            tokens = torch.tensor([n.tokens[-1] for n in expand], device=device)
+            features = torch.stack([n.feature for n in expand])
+            x = self.net.fuse(self.embed(tokens).to(torch.float32), features)[None]  # [1, w, H]
+            positions = torch.full((len(expand),), root_position + depth, device=device)
+            keys, values = self.net.keys_values(x, positions)
+            first = len(scratch_keys)
+            scratch_keys.extend(keys[:, :, i] for i in range(len(expand)))
+            scratch_values.extend(values[:, :, i] for i in range(len(expand)))
+            committed = self.keys.shape[2]
+            mask = torch.zeros(len(expand), committed + len(scratch_keys), dtype=torch.bool, device=device)
+            mask[:, :committed] = True
+            for row, node in enumerate(expand):
+                mask[row, [committed + a for a in node.ancestors] + [committed + first + row]] = True
+            all_keys = torch.cat([self.keys, torch.stack(scratch_keys, 2)], 2)
+            all_values = torch.cat([self.values, torch.stack(scratch_values, 2)], 2)
+            out = self.net.attend(x, positions, all_keys, all_values, mask)[0]  # [w, H]
+            ids, probs = self._ranked(out, [tail + n.tokens for n in expand], options.children)
+            level = []
+            for row, node in enumerate(expand):
+                ancestors = node.ancestors + [first + row]
+                for token, p in zip(ids[row], probs[row]):
+                    if p > 0:
+                        path, confidence = node.tokens + [token], node.confidence + [p]
+                        level.append(_Node(path, confidence, node.chance * p, out[row], ancestors))
+            drafted.extend(level)
+        drafted.sort(key=lambda n: -n.chance)  # best first
+        return [Branch(n.tokens, n.confidence) for n in drafted]

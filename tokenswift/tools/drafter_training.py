@@ -1,0 +1,309 @@
+"""Training the ``eagle`` drafter's network on a frozen target model.
+
+Two phases, both resumable:
+
+1. **Features.** The frozen target runs once over ``windows`` random training windows
+   of ``seq_len`` tokens; their final-norm hidden states are cached to disk (bfloat16,
+   in chunks of :data:`CHUNK` windows, ``features/chunk-NNNN.safetensors``). On a CPU
+   this is the expensive part, and every epoch reuses it.
+2. **The network.** EAGLE's losses at every draft level the drafter runs (``depth``
+   levels unrolled, each feeding the next its own predicted features): smooth-L1
+   between the predicted and the true next feature, plus ``cls_weight`` times the
+   cross-entropy from the target's own next-token distribution (its LM head on the
+   true feature, over the draft vocabulary) to the draft's. The input features of
+   level 1 get uniform noise (``noise``) so that the layer tolerates its own errors.
+   AdamW with a cosine schedule.
+
+The held-out books give, per draft level, how often the draft's top-1 (and top-3) is
+the target's own top-1 there (on the true text): the acceptance rate of a greedy chain.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import attrs
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from tokenswift.drafters.feature_net import FeatureNet, draft_vocabulary
+from tokenswift.errors import TokenswiftError
+from tokenswift.tools.training import Corpus, base_hidden, sample_windows
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT = "checkpoint.pt"
+RECORD = "training.json"
+CHUNK = 8  # windows per feature file
+
+
+@attrs.frozen(kw_only=True)
+class DrafterTrainConfig:
+    windows: int = attrs.field(default=512, validator=attrs.validators.ge(1))
+    seq_len: int = attrs.field(default=512, validator=attrs.validators.ge(8))
+    steps: int = attrs.field(default=300, validator=attrs.validators.ge(1))
+    batch: int = attrs.field(default=8, validator=attrs.validators.ge(1))
+    depth: int = attrs.field(default=2, validator=attrs.validators.ge(1))
+    # Positions per window whose next-token loss is taken (0: all): the draft-vocabulary
+    # LM head costs more than the layer, the feature loss covers every position anyway.
+    positions: int = attrs.field(default=128, validator=attrs.validators.ge(0))
+    draft_vocab: int = attrs.field(default=8192, validator=attrs.validators.ge(2))
+    lr: float = attrs.field(default=1e-3, validator=attrs.validators.gt(0))
+    weight_decay: float = 0.0
+    warmup: int = attrs.field(default=20, validator=attrs.validators.ge(0))
+    noise: float = attrs.field(default=0.1, validator=attrs.validators.ge(0))
+    cls_weight: float = attrs.field(default=0.1, validator=attrs.validators.ge(0))
+    # The next-token loss compares distributions after the presets' contextual penalty
+    # (each token seen earlier in the window: positive logits / penalty, negative x
+    # penalty), since verification draws from those; 1.0: the raw distributions.
+    penalty: float = attrs.field(default=1.2, validator=attrs.validators.ge(1.0))
+    seed: int = 0
+    checkpoint_every: int = attrs.field(default=25, validator=attrs.validators.ge(1))
+    eval_windows: int = attrs.field(default=16, validator=attrs.validators.ge(1))
+    eval_depth: int = attrs.field(default=4, validator=attrs.validators.ge(1))
+    holdout: tuple[str, ...] = ("wuthering_heights",)
+
+
+# -- phase 1: the target's features ---------------------------------------------------
+
+
+def cache_features(
+    model, corpus: Corpus, directory: str | os.PathLike, config: DrafterTrainConfig, progress: Callable[[int], None] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cached windows [windows, seq_len] and features [windows, seq_len, hidden]
+    (bfloat16), computing the chunks that are missing. Chunk i holds the windows drawn
+    with seed ``config.seed * 1000 + i``, so an interrupted run continues exactly."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    device = next(model.parameters()).device
+    chunks = math.ceil(config.windows / CHUNK)
+    tokens, features = [], []
+    for i in range(chunks):
+        path = directory / f"chunk-{i:04d}.safetensors"
+        count = min(CHUNK, config.windows - i * CHUNK)
+        stored = _read_chunk(path, count, config.seq_len)
+        if stored is None:
+            generator = torch.Generator().manual_seed(config.seed * 1000 + i)
+            windows = sample_windows(corpus.train, count, config.seq_len, generator)
+            hidden = base_hidden(model, windows.to(device)).to("cpu", torch.bfloat16)
+            tmp = path.with_suffix(".tmp")
+            save_file({"tokens": windows.contiguous(), "features": hidden.contiguous()}, tmp)
+            os.replace(tmp, path)  # atomic: a killed run never leaves half a chunk
+            stored = (windows, hidden)
+        tokens.append(stored[0])
+        features.append(stored[1])
+        if progress is not None:
+            progress(i + 1)
+    return torch.cat(tokens), torch.cat(features)
+
+
+def _read_chunk(path: Path, count: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if not path.is_file():
+        return None
+    try:
+        data = load_file(path)
+    except Exception:  # a foreign or damaged file: compute it again
+        logger.warning("recomputing the unreadable feature chunk %s", path)
+        return None
+    if tuple(data["tokens"].shape) != (count, seq_len):
+        raise TokenswiftError(f"{path} holds windows of another shape {tuple(data['tokens'].shape)}; use a new --features folder")
+    return data["tokens"], data["features"]
+
+
+# -- phase 2: the network -------------------------------------------------------------
+
+
+@torch.no_grad()
+def evaluate(net: FeatureNet, model, tokens: torch.Tensor, config: DrafterTrainConfig) -> dict:
+    """Per level: how often the draft's top-1 / top-3 (draft vocabulary) contains the
+    target's top-1 (whole vocabulary) on held-out windows, and the target's top-1
+    that the draft vocabulary contains at all."""
+    generator = torch.Generator().manual_seed(config.seed + 1)
+    device = next(model.parameters()).device
+    lm_head = model.get_output_embeddings()
+    embed = model.get_input_embeddings()
+    head = lm_head.weight.detach()[net.draft_tokens].float()
+    top1 = torch.zeros(config.eval_depth)
+    top3 = torch.zeros(config.eval_depth)
+    covered = 0.0
+    batches = math.ceil(config.eval_windows / config.batch)
+    for _ in range(batches):
+        windows = sample_windows(tokens, config.batch, config.seq_len, generator).to(device)
+        features = base_hidden(model, windows).float()
+        outputs = net.unrolled(embed, features, windows, config.eval_depth)
+        t = windows.shape[1]
+        usable = t - config.eval_depth
+        for k, out in enumerate(outputs, start=1):
+            target = lm_head(features[:, k : k + usable].to(lm_head.weight.dtype)).argmax(-1)  # [B, usable]
+            best = net.draft_tokens[(out[:, :usable] @ head.T).topk(3, dim=-1).indices]  # [B, usable, 3]
+            top1[k - 1] += float((best[..., 0] == target).float().mean())
+            top3[k - 1] += float((best == target[..., None]).any(-1).float().mean())
+            if k == 1:
+                covered += float(torch.isin(target, net.draft_tokens).float().mean())
+    return {
+        "top1": [round(float(v) / batches, 4) for v in top1],
+        "top3": [round(float(v) / batches, 4) for v in top3],
+        "target_top1_in_draft_vocab": round(covered / batches, 4),
+    }
+
+
+def _lr_factor(step: int, config: DrafterTrainConfig) -> float:
+    if step < config.warmup:
+        return (step + 1) / config.warmup
+    progress = (step - config.warmup) / max(1, config.steps - config.warmup)
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def train_drafter(
+    model,
+    corpus: Corpus,
+    out_dir: str | os.PathLike,
+    config: DrafterTrainConfig,
+    *,
+    features_dir: str | os.PathLike | None = None,
+    resume: bool = False,
+    feature_progress: Callable[[int], None] | None = None,
+    progress: Callable[[int, dict], None] | None = None,
+) -> dict:
+    """Cache the target's features, train the network, save it (with ``training.json``)
+    in ``out_dir``; returns the record."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for param in model.parameters():
+        param.requires_grad_(False)
+    model.eval()
+    checkpoint_path = out_dir / CHECKPOINT
+    if resume and not checkpoint_path.is_file():
+        raise TokenswiftError(f"--resume: no checkpoint at {checkpoint_path}")
+    started_features = time.perf_counter()
+    windows, features = cache_features(model, corpus, features_dir or out_dir / "features", config, feature_progress)
+    feature_seconds = time.perf_counter() - started_features
+
+    vocab_size = model.get_output_embeddings().weight.shape[0]
+    draft_tokens, coverage = draft_vocabulary(corpus.train, vocab_size, config.draft_vocab)
+    net = FeatureNet.for_model(model, draft_tokens).float()
+    net.initialise(seed=config.seed)
+    net.train()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, config))
+    generator = torch.Generator().manual_seed(config.seed)
+    start_step, elapsed = 0, 0.0
+    if resume:
+        state = torch.load(checkpoint_path, weights_only=True, map_location="cpu")
+        net.load_state_dict(state["net"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        generator.set_state(state["generator"])
+        start_step, elapsed = int(state["step"]), float(state["elapsed"])
+        logger.info("resuming at step %d", start_step)
+
+    device = next(model.parameters()).device
+    net.to(device)
+    embed = model.get_input_embeddings()
+    head = model.get_output_embeddings().weight.detach()[net.draft_tokens].float()
+    draft_index = torch.full((vocab_size,), len(head), dtype=torch.long, device=device)
+    draft_index[net.draft_tokens] = torch.arange(len(head), device=device)
+    started = time.perf_counter() - elapsed
+    usable = config.seq_len - config.depth
+    for step in range(start_step, config.steps):
+        batch = torch.randint(0, len(windows), (config.batch,), generator=generator)
+        tokens = windows[batch].to(device)
+        truth = features[batch].to(device, torch.float32)
+        noisy = truth + (torch.rand(truth.shape, generator=generator).to(device) * 2 - 1) * config.noise
+        if config.positions and config.positions < usable:
+            positions = torch.randperm(usable, generator=generator)[: config.positions].sort().values.to(device)
+        else:
+            positions = torch.arange(usable, device=device)
+        seen = first_seen(tokens, draft_index, len(head)) if config.penalty != 1.0 else None
+        feature_loss, token_loss, agreement = level_losses(
+            net, embed, head, noisy, truth, tokens, config.depth, positions, seen, config.penalty
+        )
+        loss = (feature_loss + config.cls_weight * token_loss).sum()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5)
+        optimizer.step()
+        scheduler.step()
+        if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
+            _save_checkpoint(checkpoint_path, net, optimizer, scheduler, generator, step + 1, time.perf_counter() - started)
+        if progress is not None:
+            progress(step + 1, {"feature": feature_loss.tolist(), "token": token_loss.tolist(), "agree": agreement.tolist()})
+    wall = time.perf_counter() - started
+    net.eval()
+    metrics = evaluate(net, model, corpus.held_out, config)
+    net.to("cpu").save_pretrained(out_dir)
+    record = {
+        "config": attrs.asdict(config),
+        "train_books": list(corpus.train_ids),
+        "held_out_books": list(corpus.held_out_ids),
+        "train_tokens": int(len(corpus.train)),
+        "feature_tokens": int(windows.numel()),
+        "feature_seconds": round(feature_seconds, 1),
+        "draft_vocab_coverage": round(coverage, 4),
+        "positions_seen": config.steps * config.batch * config.seq_len,
+        "wall_seconds": round(wall, 1),
+        "held_out_agreement": metrics,
+    }
+    (out_dir / RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
+def penalize(logits: torch.Tensor, seen: torch.Tensor | None, penalty: float) -> torch.Tensor:
+    """The contextual penalty on ``logits`` where ``seen`` (same shape, bool) is True."""
+    if seen is None or penalty == 1.0:
+        return logits
+    return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+
+
+def first_seen(tokens: torch.Tensor, draft_index: torch.Tensor, size: int) -> torch.Tensor:
+    """[B, T] ids -> [B, size] long: the first index at which each draft-vocabulary row
+    occurs (T where it does not; ids outside the vocabulary map to ``draft_index``'s
+    extra row, dropped). Row v was seen by position t iff ``first[b, v] <= t``."""
+    b, t = tokens.shape
+    first = torch.full((b, size + 1), t, dtype=torch.long, device=tokens.device)
+    index = torch.arange(t, device=tokens.device).expand(b, t)
+    return first.scatter_reduce(1, draft_index[tokens], index, reduce="amin")[:, :size]
+
+
+def level_losses(net, embed, head, inputs, truth, tokens, depth, positions, seen=None, penalty=1.0):
+    """Per level: feature loss, next-token loss, top-1 agreement with the target.
+    inputs: [B, T, H] float32 level-1 features (noise added); truth: [B, T, H] the true
+    features; head: [V', H] the draft vocabulary's LM-head rows; positions: [P]
+    indices whose next-token loss is taken (each < T - depth); seen: [B, V'] long,
+    where each draft-vocabulary token first occurs (:func:`first_seen`, for the penalty)."""
+    outputs = net.unrolled(embed, inputs, tokens, depth)
+    t = truth.shape[1]
+    feature_losses, token_losses, agreement = [], [], []
+    for k, out in enumerate(outputs, start=1):
+        target_features = truth[:, k:]
+        feature_losses.append(F.smooth_l1_loss(out[:, : t - k], target_features))
+        context = None if seen is None else seen[:, None, :] <= (positions + k)[None, :, None]  # [B, P, V'] at j + k
+        with torch.no_grad():
+            target = penalize(target_features[:, positions] @ head.T, context, penalty).softmax(-1)
+        logits = penalize(out[:, positions] @ head.T, context, penalty)
+        token_losses.append(-(target * logits.log_softmax(-1)).sum(-1).mean())
+        agreement.append((logits.argmax(-1) == target.argmax(-1)).float().mean())
+    return torch.stack(feature_losses), torch.stack(token_losses), torch.stack(agreement)
+
+
+def _save_checkpoint(path: Path, net, optimizer, scheduler, generator, step: int, elapsed: float) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(
+        {
+            "net": net.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "generator": generator.get_state(),
+            "step": step,
+            "elapsed": elapsed,
+        },
+        tmp,
+    )
+    os.replace(tmp, path)
