@@ -13,9 +13,9 @@ from tokenswift.drafters.eagle import EagleDrafter
 from tokenswift.drafters.feature_net import FeatureNet
 from tokenswift.errors import ModelLoadError, SpecError
 from tokenswift.interfaces import DraftInputs
-from tokenswift.testing import FIXED_TREE, assert_lossless, looping_model, tiny_model_for, word_tokenizer
+from tokenswift.testing import FIXED_TREE, assert_lossless, looping_model, tiny_model_for
 from tokenswift.tools.drafter_training import DrafterTrainConfig, first_seen, penalize, train_drafter
-from tests.test_training import cyclic_corpus
+from tests.test_training import cyclic_corpus, model_and_books
 
 SMALL = dict(windows=16, seq_len=32, batch=4, positions=0, draft_vocab=64, eval_windows=8, warmup=5, lr=3e-3)
 
@@ -107,12 +107,7 @@ def test_bad_options_are_clear_errors(drafter, message):
 
 
 def test_cli_train_drafter_records_the_run_and_resumes(tmp_path, capsys):
-    model_dir = tmp_path / "model"
-    looping_model(dtype="float32").save_pretrained(model_dir)
-    word_tokenizer().save_pretrained(model_dir)
-    data = tmp_path / "books.jsonl"
-    text = " ".join(["the cat sat on the mat", "a dog sat on the cat"] * 40)
-    data.write_text(json.dumps({"id": "train", "text": text}) + "\n" + json.dumps({"id": "held", "text": text}) + "\n")
+    model_dir, data = model_and_books(tmp_path)
     out = tmp_path / "eagle"
     argv = ["train-drafter", "--model", str(model_dir), "--data", str(data), "--out", str(out), "--windows", "9",
             "--steps", "4", "--seq-len", "32", "--batch", "2", "--draft-vocab", "16", "--holdout", "held",

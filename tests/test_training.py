@@ -66,13 +66,20 @@ def test_read_corpus_holds_out_named_books(tmp_path):
         read_corpus(bad, word_tokenizer(), ())
 
 
-def test_cli_train_heads_records_the_run(tmp_path, capsys):
+def model_and_books(tmp_path):
+    """A tiny looping model with a word tokenizer saved in tmp_path/model, and two
+    books ("train", "held") in tmp_path/books.jsonl: what the training commands need."""
     model_dir = tmp_path / "model"
     looping_model(dtype="float32").save_pretrained(model_dir)
     word_tokenizer().save_pretrained(model_dir)
     data = tmp_path / "books.jsonl"
     text = " ".join(["the cat sat on the mat", "a dog sat on the cat"] * 40)
     data.write_text(json.dumps({"id": "train", "text": text}) + "\n" + json.dumps({"id": "held", "text": text}) + "\n")
+    return model_dir, data
+
+
+def test_cli_train_heads_records_the_run(tmp_path, capsys):
+    model_dir, data = model_and_books(tmp_path)
     out = tmp_path / "heads"
     argv = ["train-heads", "--model", str(model_dir), "--dtype", "float32", "--data", str(data), "--out", str(out),
             "--steps", "4", "--seq-len", "32", "--batch", "2", "--holdout", "held", "--checkpoint-every", "2"]

@@ -51,7 +51,11 @@ def shipped_heads_root() -> Path:
 
 def find_shipped_heads(model: nn.Module) -> Path | None:
     """The shipped heads directory made for ``model`` (same fingerprint), if any."""
-    root = shipped_heads_root()
+    return find_made_for(shipped_heads_root(), model)
+
+
+def find_made_for(root: Path, model: nn.Module) -> Path | None:
+    """The folder under ``root`` whose ``config.json`` names ``model``'s fingerprint."""
     if not root.is_dir():
         return None
     fingerprint = model_fingerprint(model)

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from tokenswift.drafters.draft_heads import model_fingerprint
+from tokenswift.drafters.draft_heads import find_made_for, model_fingerprint
 from tokenswift.errors import ModelLoadError
 
 CONFIG_NAME = "config.json"
@@ -244,17 +244,7 @@ def shipped_drafter_root() -> Path:
 
 def find_shipped_drafter(model: nn.Module) -> Path | None:
     """The shipped eagle drafter made for ``model`` (same fingerprint), if any."""
-    root = shipped_drafter_root()
-    if not root.is_dir():
-        return None
-    fingerprint = model_fingerprint(model)
-    for config_path in sorted(root.glob(f"*/{CONFIG_NAME}")):
-        try:
-            if json.loads(config_path.read_text()).get("fingerprint") == fingerprint:
-                return config_path.parent
-        except (OSError, json.JSONDecodeError):
-            continue
-    return None
+    return find_made_for(shipped_drafter_root(), model)
 
 
 def draft_vocabulary(tokens: torch.Tensor, vocab_size: int, size: int) -> tuple[torch.Tensor, float]:

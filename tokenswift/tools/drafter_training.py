@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 
 from tokenswift.drafters.feature_net import FeatureNet, draft_vocabulary
 from tokenswift.errors import TokenswiftError
-from tokenswift.tools.training import Corpus, base_hidden, sample_windows
+from tokenswift.tools.training import Corpus, base_hidden, lr_factor, sample_windows
 
 logger = logging.getLogger(__name__)
 
@@ -154,13 +154,6 @@ def evaluate(net: FeatureNet, model, tokens: torch.Tensor, config: DrafterTrainC
     }
 
 
-def _lr_factor(step: int, config: DrafterTrainConfig) -> float:
-    if step < config.warmup:
-        return (step + 1) / config.warmup
-    progress = (step - config.warmup) / max(1, config.steps - config.warmup)
-    return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
 def train_drafter(
     model,
     corpus: Corpus,
@@ -192,7 +185,7 @@ def train_drafter(
     net.initialise(seed=config.seed)
     net.train()
     optimizer = torch.optim.AdamW(net.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, config))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, config))
     generator = torch.Generator().manual_seed(config.seed)
     start_step, elapsed = 0, 0.0
     if resume:

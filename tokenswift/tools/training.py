@@ -146,7 +146,8 @@ def evaluate(heads: DraftHeads, model, tokens: torch.Tensor, config: TrainConfig
     }
 
 
-def _lr_factor(step: int, config: TrainConfig) -> float:
+def lr_factor(step: int, config) -> float:
+    """Linear warmup over ``config.warmup`` steps, then cosine decay to 0 at ``config.steps``."""
     if step < config.warmup:
         return (step + 1) / config.warmup
     progress = (step - config.warmup) / max(1, config.steps - config.warmup)
@@ -171,7 +172,7 @@ def train_heads(
     heads = DraftHeads.for_model(model, config.num_heads).float()  # float32 master weights
     heads.train()
     optimizer = torch.optim.AdamW(heads.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, config))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, config))
     generator = torch.Generator().manual_seed(config.seed)
     start_step, elapsed = 0, 0.0
     checkpoint_path = out_dir / CHECKPOINT
