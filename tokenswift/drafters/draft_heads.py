@@ -49,6 +49,16 @@ def shipped_heads_root() -> Path:
     return Path(__file__).resolve().parent.parent / "heads"
 
 
+def save_module(module: nn.Module, directory: str | os.PathLike, format: str) -> None:
+    """Save a draft module's weights (``model.safetensors``) and its attrs ``config``
+    (``config.json``) in ``directory``."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in module.state_dict().items()}
+    save_file(tensors, directory / WEIGHTS_NAME, metadata={"format": format})
+    (directory / CONFIG_NAME).write_text(json.dumps(attrs.asdict(module.config), indent=2) + "\n")
+
+
 def find_shipped_heads(model: nn.Module) -> Path | None:
     """The shipped heads directory made for ``model`` (same fingerprint), if any."""
     return find_made_for(shipped_heads_root(), model)
@@ -138,11 +148,7 @@ class DraftHeads(nn.Module):
         return heads
 
     def save_pretrained(self, directory: str | os.PathLike) -> None:
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        tensors = {name: t.detach().to("cpu").contiguous() for name, t in self.state_dict().items()}
-        save_file(tensors, directory / WEIGHTS_NAME, metadata={"format": FORMAT})
-        (directory / CONFIG_NAME).write_text(json.dumps(attrs.asdict(self.config), indent=2) + "\n")
+        save_module(self, directory, FORMAT)
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, model: nn.Module | None = None) -> DraftHeads:

@@ -33,14 +33,12 @@ from pathlib import Path
 import attrs
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
-from tokenswift.drafters.draft_heads import find_made_for, model_fingerprint
+from tokenswift.drafters.draft_heads import CONFIG_NAME, WEIGHTS_NAME, find_made_for, model_fingerprint, save_module
 from tokenswift.errors import ModelLoadError
 
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
 FORMAT = "tokenswift-eagle/1"
 
 
@@ -201,11 +199,7 @@ class FeatureNet(nn.Module):
         return self
 
     def save_pretrained(self, directory: str | os.PathLike) -> None:
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        tensors = {name: t.detach().to("cpu").contiguous() for name, t in self.state_dict().items()}
-        save_file(tensors, directory / WEIGHTS_NAME, metadata={"format": FORMAT})
-        (directory / CONFIG_NAME).write_text(json.dumps(attrs.asdict(self.config), indent=2) + "\n")
+        save_module(self, directory, FORMAT)
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, model: nn.Module | None = None) -> FeatureNet:

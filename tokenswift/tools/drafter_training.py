@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 
 from tokenswift.drafters.feature_net import FeatureNet, draft_vocabulary
 from tokenswift.errors import TokenswiftError
-from tokenswift.tools.training import Corpus, base_hidden, lr_factor, sample_windows
+from tokenswift.tools.training import Corpus, TrainingState, base_hidden, lr_factor, sample_windows
 
 logger = logging.getLogger(__name__)
 
@@ -187,15 +187,10 @@ def train_drafter(
     optimizer = torch.optim.AdamW(net.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, config))
     generator = torch.Generator().manual_seed(config.seed)
+    checkpoint = TrainingState("net", net, optimizer, scheduler, generator)
     start_step, elapsed = 0, 0.0
     if resume:
-        state = torch.load(checkpoint_path, weights_only=True, map_location="cpu")
-        net.load_state_dict(state["net"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        generator.set_state(state["generator"])
-        start_step, elapsed = int(state["step"]), float(state["elapsed"])
-        logger.info("resuming at step %d", start_step)
+        start_step, elapsed = checkpoint.load(checkpoint_path)
 
     device = next(model.parameters()).device
     net.to(device)
@@ -225,7 +220,7 @@ def train_drafter(
         optimizer.step()
         scheduler.step()
         if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
-            _save_checkpoint(checkpoint_path, net, optimizer, scheduler, generator, step + 1, time.perf_counter() - started)
+            checkpoint.save(checkpoint_path, step + 1, time.perf_counter() - started)
         if progress is not None:
             progress(step + 1, {"feature": feature_loss.tolist(), "token": token_loss.tolist(), "agree": agreement.tolist()})
     wall = time.perf_counter() - started
@@ -284,19 +279,3 @@ def level_losses(net, embed, head, inputs, truth, tokens, depth, positions, seen
         token_losses.append(-(target * logits.log_softmax(-1)).sum(-1).mean())
         agreement.append((logits.argmax(-1) == target.argmax(-1)).float().mean())
     return torch.stack(feature_losses), torch.stack(token_losses), torch.stack(agreement)
-
-
-def _save_checkpoint(path: Path, net, optimizer, scheduler, generator, step: int, elapsed: float) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save(
-        {
-            "net": net.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "generator": generator.get_state(),
-            "step": step,
-            "elapsed": elapsed,
-        },
-        tmp,
-    )
-    os.replace(tmp, path)

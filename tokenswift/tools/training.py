@@ -174,18 +174,13 @@ def train_heads(
     optimizer = torch.optim.AdamW(heads.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, config))
     generator = torch.Generator().manual_seed(config.seed)
+    checkpoint = TrainingState("heads", heads, optimizer, scheduler, generator)
     start_step, elapsed = 0, 0.0
     checkpoint_path = out_dir / CHECKPOINT
     if resume:
         if not checkpoint_path.is_file():
             raise TokenswiftError(f"--resume: no checkpoint at {checkpoint_path}")
-        state = torch.load(checkpoint_path, weights_only=True, map_location="cpu")  # portable across devices
-        heads.load_state_dict(state["heads"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        generator.set_state(state["generator"])
-        start_step, elapsed = int(state["step"]), float(state["elapsed"])
-        logger.info("resuming at step %d", start_step)
+        start_step, elapsed = checkpoint.load(checkpoint_path)
 
     lm_head = model.get_output_embeddings()
     started = time.perf_counter() - elapsed
@@ -204,7 +199,7 @@ def train_heads(
         optimizer.step()
         scheduler.step()
         if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
-            _save_checkpoint(checkpoint_path, heads, optimizer, scheduler, generator, step + 1, time.perf_counter() - started)
+            checkpoint.save(checkpoint_path, step + 1, time.perf_counter() - started)
         if progress is not None:
             progress(step + 1, {"loss": losses.tolist(), "acc": accuracies.tolist()})
     wall = time.perf_counter() - started
@@ -224,17 +219,39 @@ def train_heads(
     return record
 
 
-def _save_checkpoint(path: Path, heads, optimizer, scheduler, generator, step: int, elapsed: float) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save(
-        {
-            "heads": heads.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "generator": generator.get_state(),
-            "step": step,
-            "elapsed": elapsed,
-        },
-        tmp,
-    )
-    os.replace(tmp, path)  # atomic: an interrupted save leaves the previous checkpoint
+@attrs.define(eq=False)
+class TrainingState:
+    """What a training checkpoint holds: the trained module (under ``key`` in the file),
+    the optimizer, the schedule and the batch generator, plus the step reached and the
+    seconds spent so far."""
+
+    key: str
+    module: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    generator: torch.Generator
+
+    def save(self, path: Path, step: int, elapsed: float) -> None:
+        tmp = path.with_suffix(".tmp")
+        torch.save(
+            {
+                self.key: self.module.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "generator": self.generator.get_state(),
+                "step": step,
+                "elapsed": elapsed,
+            },
+            tmp,
+        )
+        os.replace(tmp, path)  # atomic: an interrupted save leaves the previous checkpoint
+
+    def load(self, path: Path) -> tuple[int, float]:
+        """Restore everything from ``path``; returns (step, elapsed seconds)."""
+        state = torch.load(path, weights_only=True, map_location="cpu")  # portable across devices
+        self.module.load_state_dict(state[self.key])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.generator.set_state(state["generator"])
+        logger.info("resuming at step %d", int(state["step"]))
+        return int(state["step"]), float(state["elapsed"])
