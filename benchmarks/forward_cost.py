@@ -63,6 +63,8 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, nargs="+", default=[0, 3, 7, 15, 31, 63, 100])
     parser.add_argument("--view", type=int, default=1024, help="partial view size for the drafting forward")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-prefill", action="store_true",
+                        help="time over an occupied store instead of prefilling each context (same arithmetic, minutes less)")
     args = parser.parse_args()
 
     model, _ = load_model(ModelSpec(path=args.model, dtype=args.dtype, device=args.device))
@@ -74,7 +76,10 @@ def main() -> None:
     print("|---|" + "---|" * (len(args.nodes) + 2))
     for context in args.contexts:
         runner.store.reset()
-        runner.prefill(torch.randint(0, runner.vocab_size, (context,)))
+        if args.no_prefill:
+            runner.store.occupy(context)
+        else:
+            runner.prefill(torch.randint(0, runner.vocab_size, (context,)))
         row = []
         for nodes in args.nodes:
             tree = chain_tree(nodes)

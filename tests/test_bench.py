@@ -44,3 +44,65 @@ def test_distinct_n_and_the_baselines_windowed_penalty():
     scores = torch.ones(1, 5)
     out = PenaltyProcessor(pipe.scorer)(torch.tensor([[0, 1, 2]]), scores.clone())
     assert out.tolist() == [[1.0, 0.5, 0.5, 1.0, 1.0]]  # only the last 2 tokens are penalised
+
+
+def test_contexts_sweep_prefills_once_per_context_and_stays_lossless(tmp_path, monkeypatch):
+    import torch
+
+    from tokenswift.model.runner import Runner
+    from tokenswift.testing import FIXED_TREE
+    from tokenswift.tools.contexts import markdown, plot, run_contexts
+
+    calls = []
+    original = Runner.prefill_prompt
+    monkeypatch.setattr(Runner, "prefill_prompt", lambda self, prompt, **kw: calls.append(len(prompt)) or original(self, prompt, **kw))
+    model = looping_model(dtype="float32")
+    text = torch.randint(0, 64, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    reports = []
+    report = run_contexts(
+        model, None, lambda n: text[:n], contexts=[12, 30], new_tokens=10, presets=["tokenswift", "prompt-lookup"],
+        decodings=["sampling", "greedy"], seeds=[0, 1], heads="random", overrides=FIXED_TREE, bandwidth=1e10,
+        on_context=lambda r: reports.append(len(r["rows"])),
+    )
+    assert calls == [12, 30]  # one prefill per context, shared by 2 decodings x 3 presets x 2 seeds
+    assert reports == [6, 12]
+    rows = report["rows"]
+    assert [(r["context"], r["decoding"], r["method"]) for r in rows[:3]] == [
+        (12, "sampling", "ar"), (12, "sampling", "tokenswift"), (12, "sampling", "prompt-lookup")]
+    assert all(r["same_tokens_as_ar"] for r in rows), rows  # same seed, same tokens: float32, every decoding
+    assert all(r["ratio_to_ar"] == 1.0 for r in rows if r["method"] == "ar")
+    drafted = [r for r in rows if r["method"] == "tokenswift" and r["decoding"] == "greedy"]
+    assert all(r["tokens_per_step"] > 1.5 and r["drafting_passes_per_step"] == 1.0 for r in drafted)  # over the restored KV
+    assert all(r["roofline_tokens_per_second"] > 0 for r in rows)
+    assert "| 30 | greedy | tokenswift |" in markdown(report)
+    plot(report, tmp_path / "contexts.png")
+    assert (tmp_path / "contexts.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_run_started_from_a_shared_prefill_equals_a_fresh_run():
+    from tokenswift import Pipeline
+    from tokenswift.tools.bench import drafter_overrides
+
+    model = looping_model(dtype="float32")
+    prompt = [3, 9, 4, 1, 7, 7, 2, 5, 8]
+    for preset in ("ar", "tokenswift", "eagle"):
+        overrides = {"sampling": {"temperature": 0.9}, "drafter": drafter_overrides(preset, "random")}
+        if not overrides["drafter"]:
+            del overrides["drafter"]
+        fresh = Pipeline.from_spec(preset, model, overrides=overrides)
+        shared = Pipeline.from_spec(preset, model, overrides=overrides)
+        expected = fresh.generate(prompt, 12, seed=4, ignore_eos=True).tokens
+        prefilled = shared.runner.prefill_prompt(prompt, keep_hidden=max(1, shared.drafter.prompt_features))
+        run = shared.start(prompt, 12, seed=4, ignore_eos=True)
+        run.prefill(prefilled)
+        for _ in run.steps():
+            pass
+        assert run.new_tokens == expected, preset
+
+
+def test_auto_rope_covers_the_longest_run():
+    from tokenswift.tools.contexts import auto_rope
+
+    assert auto_rope(8192, 8192) is None
+    assert auto_rope(8192, 16384) == {"type": "yarn", "factor": 2.0}
+    assert auto_rope(8192, 16384 + 256 + 256) == {"type": "yarn", "factor": 2.5}

@@ -56,6 +56,10 @@ def test_spec_file(tmp_path, model_dir, capsys):
         (["generate", "--model", "/nonexistent/model"], "model path '/nonexistent/model' not found"),
         (["generate", "--preset", "ar", "--heads", "/x", "--prompt", "p"], "drafter 'none' has no option(s) ['heads']"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
+        (["bench", "--contexts", "1", "2048"], "--contexts must be prompt lengths of at least 2 tokens, got [1]"),
+        (["bench", "--contexts", "2048", "--interleaved"], "--contexts is its own comparison"),
+        (["bench", "--contexts", "2048", "--methods", "ar,nope"], "--contexts compares presets; unknown ['nope']"),
+        (["bench", "--contexts", "2048", "--new-tokens", "0"], "--new-tokens must be positive, got 0"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys, tmp_path):

@@ -3,6 +3,8 @@
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
@@ -242,3 +244,31 @@ def test_tokenswift_ranks_depth_one_with_the_penalty_verification_applies(penali
     tree, _drafted, _drafting_pass = run.propose()
     expected = (penalised if penalize else raw).argmax().item()
     assert list(tree.children(0)) == [expected]
+
+
+def _rescanned_lookup(tokens, max_ngram, min_ngram, num_tokens):
+    """Prompt lookup by rescanning the whole context (what the index must agree with)."""
+    for n in range(min(max_ngram, len(tokens) - 1), min_ngram - 1, -1):
+        starts = [s for s in range(len(tokens) - n) if tokens[s : s + n] == tokens[len(tokens) - n :]]
+        if starts:
+            return [tokens[starts[-1] + n : starts[-1] + n + num_tokens]]
+    return []
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    text=st.lists(st.integers(0, 4), min_size=1, max_size=60),
+    steps=st.lists(st.integers(1, 6), min_size=1, max_size=12),
+    max_ngram=st.integers(1, 4),
+)
+def test_prompt_lookup_index_agrees_with_a_rescan_as_the_text_grows(text, steps, max_ngram):
+    pipe = build({"preset": "prompt-lookup", "retriever": {"num_tokens": 4, "max_ngram": max_ngram}})
+    retriever = pipe.retriever
+    cut = max(1, len(text) // 3)
+    state = DecodeState(tokens=text[:cut], prompt_length=cut)
+    retriever.start(state)
+    for step in steps:
+        assert retriever.retrieve(state, []) == _rescanned_lookup(state.tokens, max_ngram, 1, 4)
+        state.tokens.extend(text[len(state.tokens) : len(state.tokens) + step] or [0] * step)
+    fresh = DecodeState(tokens=list(state.tokens), prompt_length=cut)  # another list: indexed anew
+    assert retriever.retrieve(fresh, []) == _rescanned_lookup(fresh.tokens, max_ngram, 1, 4)

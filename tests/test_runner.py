@@ -5,6 +5,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
+from tokenswift.model import attention
 from tokenswift.model.kv import FullView, IndexView
 from tokenswift.model.runner import Runner
 from tokenswift.testing import tiny_model_for
@@ -140,3 +141,40 @@ def test_store_refuses_overflow_and_returns_hidden_states():
     runner.commit([0, 1, 2])
     with pytest.raises(RuntimeError, match="overflow"):
         runner.forward(torch.tensor([4, 5]))
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2"])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=trees())
+def test_split_attention_forwards_match_separate_path_forwards(name, case, monkeypatch):
+    """Prefill chunks and trees through the split (prefix + tree block, merged by
+    log-sum-exp), forced on for every multi-token forward: same logits as plain forwards."""
+    monkeypatch.setattr(attention, "splits_better", lambda new_tokens, prefix: True)
+    prompt, tree = case
+    model = tiny_model_for(name)
+    runner = Runner(model)
+    runner.allocate(len(prompt) + len(tree))
+    runner.prefill(torch.tensor(prompt[:-1]), chunk_size=3)  # the first chunk has no prefix
+    out = runner.forward(tree.token_tensor(), tree_mask=tree.mask(), depths=tree.depth_tensor())
+    with torch.inference_mode():
+        for node in range(len(tree)):
+            torch.testing.assert_close(out.logits[node], reference_logits(model, prompt, tree, node), rtol=1e-9, atol=1e-9)
+
+
+def test_split_attention_equals_masked_attention():
+    generator = torch.Generator().manual_seed(0)
+    q_heads, kv_heads, n, prefix, dim = 6, 2, 5, 7, 4
+    query = torch.randn(1, q_heads, n, dim, dtype=torch.float64, generator=generator)
+    key = torch.randn(1, kv_heads, prefix + n, dim, dtype=torch.float64, generator=generator)
+    value = torch.randn(1, kv_heads, prefix + n, dim, dtype=torch.float64, generator=generator)
+    tree = DraftTree.root_only(0)
+    tree.add_branch([1, 2])
+    tree.add_branch([3, 4])
+    mask = torch.cat([torch.ones(n, prefix, dtype=torch.bool), tree.mask()], dim=1)  # [n, prefix + n]
+    group = q_heads // kv_heads
+    bias = torch.zeros(group * n, n, dtype=torch.float64).masked_fill_(~tree.mask().repeat(group, 1), float("-inf"))
+    got = attention.split_attention(query, key, value, prefix, bias, 0.5)  # [1, n, q_heads, dim]
+    expanded_keys = key.repeat_interleave(group, dim=1)
+    expanded_values = value.repeat_interleave(group, dim=1)
+    want = torch.nn.functional.scaled_dot_product_attention(query, expanded_keys, expanded_values, attn_mask=mask, scale=0.5)
+    torch.testing.assert_close(got, want.transpose(1, 2), rtol=1e-12, atol=1e-12)

@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     bench.add_argument("--heads", default="auto", help="heads for the tokenswift and medusa presets")
     bench.add_argument("--prompt-tokens", type=int, default=2048)
-    bench.add_argument("--new-tokens", type=int, default=6144)
+    bench.add_argument("--new-tokens", type=int, help="new tokens per method (default 6144; 256 with --contexts)")
     length = bench.add_mutually_exclusive_group()
     length.add_argument("--quick", action="store_true", help="1,024 new tokens, for iteration")
     length.add_argument(
@@ -139,7 +139,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="presets decode in turns of 8 tokens on one model: speed ratios to ar that a noisy machine cannot fake, "
         "with each preset's tree decisions (writes interleaved.json/.md)",
     )
-    bench.add_argument("--seeds", type=int, nargs="+", help="with --interleaved: one comparison per seed, summed")
+    bench.add_argument("--seeds", type=int, nargs="+", help="with --interleaved or --contexts: one comparison per seed, summed")
+    bench.add_argument(
+        "--contexts", type=int, nargs="+", metavar="TOKENS",
+        help="long-context sweep: for each prompt length, one prefill shared by the presets (default ar,tokenswift), "
+        "which decode in turns; ratios to ar, tokens/step and a memory roofline per context; RoPE scaled "
+        "automatically past the trained length (writes contexts.json/.md/.png)",
+    )
+    bench.add_argument("--decodings", nargs="+", choices=("sampling", "greedy"), default=["sampling", "greedy"],
+                       help="with --contexts: the paper's sampling, greedy, or both (default both)")
 
     ablate = sub.add_parser("ablate", help="sweep a grid of component choices and parameters")
     ablate.add_argument("--grid", required=True, help="grid TOML (base spec, axes or cells, prompt, seeds, lengths)")

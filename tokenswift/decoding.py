@@ -32,6 +32,7 @@ from tokenswift.checkpoint import Checkpoint
 from tokenswift.errors import NonFiniteScoresError
 from tokenswift.interfaces import DecodeState, DraftInputs, StepOutcome, Verdict
 from tokenswift.model.kv import FullView
+from tokenswift.model.runner import PrefilledPrompt
 from tokenswift.sampling import Sampler
 from tokenswift.scoring import NodeScores
 from tokenswift.speculation import AcceptanceTracker, Choice, DraftGate, PassChooser, choose
@@ -112,14 +113,25 @@ class Generation:
 
     # -- the loop -------------------------------------------------------------------
 
-    def prefill(self) -> None:
+    def prefill(self, prefilled: PrefilledPrompt | None = None) -> None:
         """Allocate the KV store and forward the context except its last token (the
-        first root); start the components."""
+        first root), or copy it from ``prefilled`` (the same prompt, prefilled once for
+        several runs); start the components."""
         pipeline, runner = self.pipeline, self.pipeline.runner
         started = time.perf_counter()
         runner.allocate(len(self.prompt_ids) + self.max_new_tokens + pipeline.max_tree_nodes())
         wanted = pipeline.drafter.prompt_features
-        hidden = runner.prefill(torch.tensor(self.state.tokens[:-1], dtype=torch.long), keep_hidden=max(1, wanted))
+        if prefilled is None:
+            hidden = runner.prefill(torch.tensor(self.state.tokens[:-1], dtype=torch.long), keep_hidden=max(1, wanted))
+        else:
+            if list(prefilled.tokens) != self.state.tokens:
+                raise ValueError("prefill: the prefilled prompt is not this run's context")
+            runner.restore(prefilled)
+            hidden = prefilled.hidden
+            kept = 0 if hidden is None else hidden.shape[0]
+            if hidden is not None and kept < min(max(1, wanted), prefilled.positions):
+                raise ValueError(f"prefill: the drafter wants {wanted} prompt features, the prefilled prompt kept {kept}")
+            hidden = None if hidden is None else hidden[-max(1, wanted):]
         self.parent_hidden = None if hidden is None else hidden[-1]
         for component in pipeline.components:
             component.start(self.state)

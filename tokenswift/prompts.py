@@ -1,5 +1,6 @@
-"""The bundled public-domain prompt: the opening chapters of *Wuthering Heights*
-(Emily Brontë, 1847; Project Gutenberg text via ``shared/data/pg_books.jsonl``).
+"""The bundled public-domain prompt: the first 180K characters of *Wuthering Heights*
+(Emily Brontë, 1847; Project Gutenberg text via ``shared/data/pg_books.jsonl``),
+~43K tokens of the demo model: enough for the long-context benchmark's 32K prompts.
 
 The shipped heads were trained with this book held out, so demos and benchmarks run
 on text the heads have never seen.

@@ -11,7 +11,15 @@ LONG_BENCH_TOKENS = 14_336
 LONG_BENCH_ROPE = "yarn:2"
 
 
+DEFAULT_NEW_TOKENS = 6144
+CONTEXTS_NEW_TOKENS = 256
+
+
 def run(args) -> int:
+    if args.contexts:
+        return run_contexts(args)
+    if args.new_tokens is None:
+        args.new_tokens = DEFAULT_NEW_TOKENS
     if args.interleaved:
         return run_interleaved(args)
     from tqdm import tqdm
@@ -101,3 +109,87 @@ def run_interleaved(args) -> int:
     print(table, end="")
     print(f"{report['config']['machine']}, {report['config']['dtype']}; wrote {out / 'interleaved.json'} and interleaved.md", file=sys.stderr)
     return 0
+
+
+def run_contexts(args) -> int:
+    """``bench --contexts``: the presets against ar as the prompt grows (see
+    :mod:`tokenswift.tools.contexts`)."""
+    import json
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from tokenswift.machine import machine_name
+    from tokenswift.model.loading import check_device, load_model
+    from tokenswift.prompts import prompt_ids
+    from tokenswift.spec import ModelSpec, parse_rope
+    from tokenswift.tools.bench import PRESET_METHODS
+    from tokenswift.tools.contexts import TREE_SLACK, auto_rope, markdown, plot, run_contexts as sweep
+
+    if args.interleaved or args.quick or args.long:
+        raise CliError("--contexts is its own comparison; it takes no --interleaved, --quick or --long")
+    presets = ["ar", "tokenswift"]
+    if args.methods:
+        presets = [m.strip() for m in args.methods.split(",") if m.strip()]
+        unknown = [m for m in presets if m not in PRESET_METHODS]
+        if unknown:
+            raise CliError(f"--contexts compares presets; unknown {unknown}; valid: {list(PRESET_METHODS)}")
+    bad = [c for c in args.contexts if c < 2]
+    if bad:
+        raise CliError(f"--contexts must be prompt lengths of at least 2 tokens, got {bad}")
+    new_tokens = CONTEXTS_NEW_TOKENS if args.new_tokens is None else args.new_tokens
+    if new_tokens <= 0:
+        raise CliError(f"--new-tokens must be positive, got {new_tokens}")
+    contexts = sorted(set(args.contexts))
+    seeds = args.seeds if args.seeds else [args.seed]
+    rope = parse_rope(args.rope)
+    ModelSpec(path=args.model, dtype=args.dtype, device=args.device, rope=rope)  # bad values fail here, before any output
+    check_device(args.device)
+    model, tokenizer = load_model(ModelSpec(path=args.model, dtype=args.dtype, device=args.device, rope=rope))
+    trained = int(model.config.max_position_embeddings)
+    needed = contexts[-1] + new_tokens + TREE_SLACK
+    if rope is None and auto_rope(trained, needed) is not None:
+        rope = auto_rope(trained, needed)
+        print(f"RoPE scaled for the sweep: {rope['type']} x{rope['factor']:g} ({needed:,} positions needed, the model "
+              f"was trained on {trained:,})", file=sys.stderr)
+        model, tokenizer = load_model(ModelSpec(path=args.model, dtype=args.dtype, device=args.device, rope=rope))
+    if tokenizer is None:
+        raise CliError(f"model {args.model!r} has no tokenizer; --contexts needs one for its held-out prompts")
+    try:
+        prompt_ids(tokenizer, contexts[-1])
+    except ValueError as exc:
+        raise CliError(f"--contexts {contexts[-1]}: {exc}") from None
+    out = Path(args.out)
+    device = next(model.parameters()).device
+    info = {
+        "model": args.model, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "device": args.device,
+        "machine": machine_name(device), "threads": torch_threads(), "rope": rope, "new_tokens": new_tokens,
+        "seeds": seeds, "presets": presets, "decodings": args.decodings,
+    }
+    runs = len(presets if "ar" in presets else ["ar", *presets]) * len(args.decodings) * len(seeds)
+    bar = tqdm(total=new_tokens * runs * len(contexts), unit="tok", file=sys.stderr, dynamic_ncols=True)
+
+    def write(report: dict) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        report = {**report, "config": info, "title": f"{args.model}, {info['dtype']}, {info['machine']}"}
+        (out / "contexts.json").write_text(json.dumps(report, indent=2) + "\n")
+        (out / "contexts.md").write_text(markdown(report))
+        plot(report, out / "contexts.png")
+
+    report = sweep(
+        model, tokenizer, lambda n: prompt_ids(tokenizer, n), contexts=contexts, new_tokens=new_tokens,
+        presets=presets, decodings=args.decodings, seeds=seeds, heads=args.heads,
+        progress=lambda name, count: bar.update(count), on_context=write,
+    )
+    bar.close()
+    write(report)
+    print(markdown(report), end="")
+    print(f"{info['machine']}, {info['dtype']}, memory bandwidth {report['bandwidth_gb_s']} GB/s; "
+          f"wrote {out / 'contexts.json'}, contexts.md, contexts.png", file=sys.stderr)
+    return 0
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()

@@ -27,23 +27,58 @@ PLAN_KWARG = "tokenswift_plan"
 
 @attrs.define(eq=False)
 class ForwardPlan:
-    """One runner forward: the ``view`` its new tokens join, whether attention may skip
-    the mask (``dense``: a single query sees every key), and an optional recorder of the
-    last query's attention probabilities."""
+    """One runner forward of n new tokens: the ``view`` of S committed positions they
+    all see, the ``tree_mask`` among themselves ([n, n] bool, row i = the new tokens
+    token i sees, itself included), and an optional recorder of the last query's
+    attention probabilities.
+
+    Attention never needs an [n, S + n] mask: every new token sees all S viewed
+    positions, so the attention function splits each layer's attention into that
+    unmasked prefix and the tiny masked tree block (see
+    :func:`tokenswift.model.attention.split_attention`). :meth:`full_mask` builds the
+    dense mask for the paths that still want one.
+    """
 
     view: KVView
-    dense: bool = False
+    tree_mask: torch.Tensor
     recorder: AttentionRecorder | None = None
+    _tree_bias: torch.Tensor | None = attrs.field(default=None, init=False, repr=False)
     _grouped_mask: torch.Tensor | None = attrs.field(default=None, init=False, repr=False)
 
-    def grouped_mask(self, mask: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
-        """``mask`` ([1, 1, n, K] bool, the same in every layer) repeated for the ``group``
-        query heads of a KV head and made additive ([1, 1, group * n, K], 0 / -inf):
-        built once per forward instead of once per layer."""
+    @property
+    def new_tokens(self) -> int:
+        return int(self.tree_mask.shape[0])
+
+    @property
+    def prefix(self) -> int:
+        """S: the committed positions every new token sees (keys ``[0, S)`` of a layer)."""
+        return self.view.size
+
+    @property
+    def dense(self) -> bool:
+        """One new token: it sees every key, no mask at all."""
+        return self.new_tokens == 1
+
+    def full_mask(self) -> torch.Tensor:
+        """[1, 1, n, S + n] bool: the prefix for all, then the tree mask."""
+        n = self.new_tokens
+        visible = torch.ones(n, self.prefix, dtype=torch.bool, device=self.tree_mask.device)
+        return torch.cat([visible, self.tree_mask], dim=1).view(1, 1, n, self.prefix + n)
+
+    def tree_bias(self, group: int, dtype: torch.dtype) -> torch.Tensor:
+        """The tree mask repeated for the ``group`` query heads of a KV head, additive
+        (0 / -inf): [group * n, n], built once per forward."""
+        if self._tree_bias is None or self._tree_bias.dtype != dtype:
+            allowed = self.tree_mask.repeat(group, 1)
+            self._tree_bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+        return self._tree_bias
+
+    def grouped_mask(self, group: int, dtype: torch.dtype) -> torch.Tensor:
+        """:meth:`full_mask` repeated for the ``group`` query heads of a KV head and made
+        additive ([1, 1, group * n, S + n], 0 / -inf), once per forward (the dense path)."""
         if self._grouped_mask is None or self._grouped_mask.dtype != dtype:
-            n, keys = mask.shape[-2], mask.shape[-1]
-            allowed = mask.expand(1, 1, n, keys).repeat(1, 1, group, 1)
-            self._grouped_mask = torch.zeros(allowed.shape, dtype=dtype, device=mask.device).masked_fill_(~allowed, float("-inf"))
+            allowed = self.full_mask().repeat(1, 1, group, 1)
+            self._grouped_mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
         return self._grouped_mask
 
 

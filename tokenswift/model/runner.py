@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 
 import attrs
 import torch
@@ -43,6 +44,32 @@ class ForwardOutput:
     def __repr__(self) -> str:
         shape = None if self.logits is None else tuple(self.logits.shape)
         return f"ForwardOutput(logits={shape}, hidden={tuple(self.hidden.shape)})"
+
+
+@attrs.frozen(kw_only=True, eq=False, repr=False)
+class PrefilledPrompt:
+    """A prompt's prefill, kept to start several runs from it without computing it again
+    (the long-context benchmark: one 16K-token prefill for every method).
+
+    tokens: the prompt ids, whose first ``len(tokens) - 1`` positions are prefilled (the
+    last token is the first step's root); keys/values: per layer [1, kv_heads, P, D]
+    copies of those positions; hidden: [m, hidden_size], the final-norm hidden states of
+    the last m of them; model: the model they were computed with.
+    """
+
+    tokens: tuple[int, ...]
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    hidden: torch.Tensor | None
+    model: torch.nn.Module
+    seconds: float
+
+    def __repr__(self) -> str:
+        return f"PrefilledPrompt(tokens={len(self.tokens)}, hidden={None if self.hidden is None else tuple(self.hidden.shape)})"
+
+    @property
+    def positions(self) -> int:
+        return len(self.tokens) - 1
 
 
 def causal_mask(n: int, device=None) -> torch.Tensor:
@@ -186,17 +213,17 @@ class Runner:
             depths = torch.arange(n, device=self.device)
         positions = (depths.to(self.device, torch.long) + store.length).view(1, n)
         view = Staging(store) if view is None else view
-        mask = torch.cat(
-            [torch.ones(n, view.size, dtype=torch.bool, device=self.device), tree_mask.to(self.device, torch.bool)], dim=1
-        ).view(1, 1, n, view.size + n)
+        tree_mask = tree_mask.to(self.device, torch.bool)
         recorder = AttentionRecorder() if record_attention else None
-        plan = ForwardPlan(view=view, dense=n == 1, recorder=recorder)
+        plan = ForwardPlan(view=view, tree_mask=tree_mask, recorder=recorder)
         self.cache.plan = plan
         try:
             with self._products(n):
                 out = self.decoder(
                     input_ids=tokens.view(1, n),
-                    attention_mask=mask,
+                    # A 4D mask passes through transformers untouched; the attention
+                    # function reads the plan instead (no [n, S + n] mask is built).
+                    attention_mask=tree_mask.view(1, 1, n, n),
                     position_ids=positions,
                     cache=self.cache,
                     use_cache=True,
@@ -218,6 +245,39 @@ class Runner:
         products = self.packed_linears if self.packed_lm_head else contextlib.nullcontext()
         with products:
             return self.lm_head(hidden).to(self.logits_dtype)
+
+    def prefill_prompt(self, prompt: list[int], *, keep_hidden: int = 1) -> PrefilledPrompt:
+        """Prefill ``prompt`` minus its last token into this runner's store (allocating
+        what it needs) and keep a copy to :meth:`restore` runs from."""
+        started = time.perf_counter()
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("prefill_prompt: the prompt is empty")
+        if self.store is None or self.store.capacity < len(prompt):
+            self.allocate(len(prompt))
+        self.store.reset()
+        hidden = self.prefill(torch.tensor(prompt[:-1], dtype=torch.long), keep_hidden=keep_hidden)
+        length = self.store.length
+        keys = [k[:, :, :length].clone() for k in self.store.keys]
+        values = [v[:, :, :length].clone() for v in self.store.values]
+        return PrefilledPrompt(
+            tokens=tuple(prompt), keys=keys, values=values, hidden=hidden, model=self.model,
+            seconds=time.perf_counter() - started,
+        )
+
+    def restore(self, prefilled: PrefilledPrompt) -> None:
+        """Make the allocated store hold exactly ``prefilled``'s positions, committed."""
+        store = self._require_store()
+        if prefilled.model is not self.model:
+            raise ValueError("restore: the prefilled prompt was computed with another model")
+        length = prefilled.positions
+        if length >= store.capacity:
+            raise ValueError(f"restore: {length} prefilled positions do not fit a store of {store.capacity}")
+        store.reset()
+        for layer in range(store.num_layers):
+            store.keys[layer][:, :, :length] = prefilled.keys[layer]
+            store.values[layer][:, :, :length] = prefilled.values[layer]
+        store.length = length
 
     def prefill(self, tokens: torch.Tensor, *, chunk_size: int = 512, keep_hidden: int = 1) -> torch.Tensor | None:
         """Forward a prompt in causal chunks and commit all of it. tokens: [n] long.

@@ -38,6 +38,7 @@ class NgramRetriever(Retriever):
         self.window = options.window if options.window is not None else (penalty.window if penalty is not None else 0)
         self.table: dict[int, Counter] = defaultdict(Counter)
         self.fed = 0  # n-grams starting before this index are in the table
+        self._ranking: dict[int, list] = {}  # key -> its ranked continuations, until the key's counts change
 
     @property
     def max_tree_nodes(self) -> int:
@@ -46,6 +47,7 @@ class NgramRetriever(Retriever):
     def start(self, state) -> None:
         self.table = defaultdict(Counter)
         self.fed = 0
+        self._ranking = {}
         self._feed(state.tokens)
 
     def observe(self, state, outcome) -> None:
@@ -56,6 +58,7 @@ class NgramRetriever(Retriever):
         limit = len(tokens) - self.window - n  # last start whose n-gram has left the window
         for start in range(self.fed, limit + 1):
             self.table[tokens[start]][tuple(tokens[start + 1 : start + n])] += 1
+            self._ranking.pop(tokens[start], None)
         self.fed = max(self.fed, limit + 1)
 
     def continuations(self, key: int) -> list[tuple[int, ...]]:
@@ -63,13 +66,18 @@ class NgramRetriever(Retriever):
         return [c for c, _ in self._ranked(key)]
 
     def _ranked(self, key: int) -> list[tuple[tuple[int, ...], float]]:
-        """The ``top_k`` most frequent continuations after ``key`` with their share of its n-grams."""
-        counts = self.table.get(key)
-        if not counts or self.options.top_k == 0:
-            return []
-        total = sum(counts.values())
-        top = heapq.nlargest(self.options.top_k, counts.items(), key=lambda item: item[1])
-        return [(c, count / total) for c, count in top]
+        """The ``top_k`` most frequent continuations after ``key`` with their share of its
+        n-grams (ranked once per change of the key's counts: a frequent key has
+        thousands of continuations in a long text, a step must not rank them anew)."""
+        ranking = self._ranking.get(key)
+        if ranking is None:
+            counts = self.table.get(key)
+            if not counts or self.options.top_k == 0:
+                return []
+            total = sum(counts.values())
+            top = heapq.nlargest(self.options.top_k, counts.items(), key=lambda item: item[1])
+            ranking = self._ranking[key] = [(c, count / total) for c, count in top]
+        return ranking
 
     def retrieve(self, state, first_tokens):
         # A continuation's first token is as likely as its share of the key's n-grams;

@@ -8,7 +8,6 @@ context, and propose the ``num_tokens`` tokens that followed it.
 from __future__ import annotations
 
 import attrs
-import torch
 
 from tokenswift.errors import SpecError
 from tokenswift.interfaces import Retriever
@@ -28,19 +27,36 @@ class PromptLookupRetriever(Retriever):
             if self.min_ngram > self.max_ngram:
                 raise SpecError(f"retriever.min_ngram ({self.min_ngram}) must be <= max_ngram ({self.max_ngram})")
 
+    def __init__(self, options, context) -> None:
+        super().__init__(options, context)
+        self._source: list[int] | None = None  # the token list indexed (a generation appends to it)
+        self._indexed = 0  # n-grams ending before this index are in the tables
+        self._latest: dict[int, dict[tuple[int, ...], int]] = {}  # n -> n-gram -> its latest start
+
     @property
     def max_tree_nodes(self) -> int:
         return self.options.num_tokens
 
+    def start(self, state) -> None:
+        self._source = None
+
+    def _catch_up(self, tokens: list[int]) -> None:
+        """Index every n-gram that ends before the last token (the earlier ones)."""
+        if tokens is not self._source or len(tokens) - 1 < self._indexed:
+            self._source, self._indexed = tokens, 0
+            self._latest = {n: {} for n in range(self.options.min_ngram, self.options.max_ngram + 1)}
+        for end in range(self._indexed, len(tokens) - 1):  # n-gram tokens[end - n + 1 : end + 1]
+            for n, latest in self._latest.items():
+                if end + 1 >= n:
+                    latest[tuple(tokens[end + 1 - n : end + 1])] = end + 1 - n
+        self._indexed = max(self._indexed, len(tokens) - 1)
+
     def retrieve(self, state, first_tokens):
-        tokens = torch.tensor(state.tokens)
-        length = tokens.numel()
+        tokens = state.tokens
+        self._catch_up(tokens)
+        length = len(tokens)
         for n in range(min(self.options.max_ngram, length - 1), self.options.min_ngram - 1, -1):
-            windows = tokens[: length - 1].unfold(0, n, 1)  # [length - n, n]: earlier n-grams only
-            hits = (windows == tokens[length - n :]).all(dim=1).nonzero()
-            if hits.numel():
-                start = int(hits[-1]) + n
-                follow = tokens[start : start + self.options.num_tokens].tolist()
-                if follow:
-                    return [follow]
+            start = self._latest[n].get(tuple(tokens[length - n :]))
+            if start is not None:
+                return [tokens[start + n : start + n + self.options.num_tokens]]
         return []

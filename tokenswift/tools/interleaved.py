@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 
 import attrs
 
+from tokenswift.model.runner import PrefilledPrompt
 from tokenswift.stats import StatsCollector
 from tokenswift.tools.bench import drafter_overrides
 
@@ -42,12 +43,14 @@ def run_interleaved(
     seed: int = 0,
     turn_tokens: int = 8,
     progress: Callable[[str, int], None] | None = None,
+    prefilled: PrefilledPrompt | None = None,
 ) -> dict[str, InterleavedResult]:
-    """Decode ``new_tokens`` after ``prompt`` with every pipeline, in turns."""
+    """Decode ``new_tokens`` after ``prompt`` with every pipeline, in turns; with
+    ``prefilled`` (the prompt prefilled once), every run starts from a copy of it."""
     runs, steps, collectors, seconds = {}, {}, {}, {}
     for name, pipe in pipelines.items():
         run = pipe.start(prompt, new_tokens, seed=seed, ignore_eos=True)
-        run.prefill()
+        run.prefill(prefilled)
         runs[name], steps[name], collectors[name], seconds[name] = run, run.steps(), StatsCollector(), 0.0
     active, rounds = list(runs), 0
     while active:

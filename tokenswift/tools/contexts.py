@@ -1,0 +1,214 @@
+"""The long-context benchmark: the presets against ``ar`` as the prompt grows.
+
+    tokenswift bench --contexts 2048 8192 16384 --new-tokens 256
+
+For every context length, one held-out prompt of that many tokens is prefilled once;
+every preset starts from a copy of that prefill (:class:`PrefilledPrompt`), so a 16K
+context costs one long prefill, not one per method. The presets then decode in turns
+(:func:`tokenswift.tools.interleaved.run_interleaved`), once per decoding (the
+paper's sampling, greedy) and seed, and each gets its decode tokens/s, its ratio to
+``ar`` in the same turns, its tokens per step, and a roofline beside it: the tokens/s
+its memory traffic allows (weights + the KV read by each forward, per step, over the
+machine's measured bandwidth, divided among the tokens a step earns).
+
+A context past the model's trained length needs RoPE scaling; :func:`auto_rope`
+chooses YaRN with the smallest factor (in steps of 0.5) that covers the longest run, once
+for the whole sweep (one model for every context, so ratios compare like with like).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+
+import attrs
+import torch
+
+from tokenswift.tools.bench import drafter_overrides
+from tokenswift.tools.interleaved import run_interleaved
+
+logger = logging.getLogger(__name__)
+
+DECODINGS = {"sampling": {}, "greedy": {"sampling": {"greedy": True}}}
+TREE_SLACK = 256  # room past prompt + new tokens for a step's staged tree
+
+
+def auto_rope(trained: int, needed: int) -> dict | None:
+    """YaRN scaling that covers ``needed`` positions of a model trained on ``trained``
+    (the smallest factor in steps of 0.5), or None when none is needed."""
+    if needed <= trained:
+        return None
+    return {"type": "yarn", "factor": math.ceil(2 * needed / trained) / 2}
+
+
+def measure_bandwidth(device: torch.device | str = "cpu", mib: int = 256, repeats: int = 5) -> float:
+    """Bytes per second of reading a ``mib`` MiB tensor (the best of ``repeats``)."""
+    data = torch.ones(mib * 2**20 // 4, dtype=torch.float32, device=device)
+    best = math.inf
+    for _ in range(repeats):
+        if data.device.type == "cuda":
+            torch.cuda.synchronize(data.device)
+        started = time.perf_counter()
+        data.sum().item()
+        best = min(best, time.perf_counter() - started)
+    return data.numel() * 4 / best
+
+
+def parameter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters (tied weights once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@attrs.frozen(kw_only=True)
+class Roofline:
+    """What memory traffic allows: ``weights`` bytes read by every forward, ``kv_per_position``
+    bytes of KV per cached position, over ``bandwidth`` bytes per second."""
+
+    weights: int
+    kv_per_position: int
+    bandwidth: float
+
+    def forward_seconds(self, positions: float) -> float:
+        return (self.weights + self.kv_per_position * positions) / self.bandwidth
+
+    def tokens_per_second(self, context: int, new_tokens: int, tokens_per_step: float,
+                          drafting_passes_per_step: float = 0.0, view_positions: int = 0) -> float:
+        """The roofline tokens/s of a run: each step reads the weights and the whole KV
+        (mean context over the run) once, plus the weights and a drafting view's KV per
+        drafting pass; ``tokens_per_step`` share it."""
+        mean_context = context + new_tokens / 2
+        step = self.forward_seconds(mean_context) + drafting_passes_per_step * self.forward_seconds(min(view_positions, mean_context))
+        return tokens_per_step / step
+
+
+def prefill_once(pipelines: dict, prompt: list[int], capacity: int):
+    """Prefill ``prompt`` once, in the first pipeline's runner (sized for the runs), with
+    the prompt features the most demanding drafter wants."""
+    first = next(iter(pipelines.values()))
+    wanted = max(max(1, pipe.drafter.prompt_features) for pipe in pipelines.values())
+    first.runner.allocate(capacity)
+    return first.runner.prefill_prompt(prompt, keep_hidden=wanted)
+
+
+def run_contexts(
+    model,
+    tokenizer,
+    prompt_for: Callable[[int], list[int]],
+    *,
+    contexts: list[int],
+    new_tokens: int,
+    presets: list[str],
+    decodings: list[str],
+    seeds: list[int],
+    heads: str = "auto",
+    overrides: dict | None = None,
+    bandwidth: float | None = None,
+    progress: Callable[[str, int], None] | None = None,
+    on_context: Callable[[dict], None] | None = None,
+) -> dict:
+    """Every context: one prefill, then each decoding's presets in turns (``ar`` first,
+    the reference), once per seed; ``overrides`` (spec sections) go to every preset.
+    Returns a JSON-ready report; ``on_context`` gets it after each context (a long
+    sweep interrupted keeps what it measured)."""
+    from tokenswift import Pipeline
+
+    names = ["ar", *[p for p in presets if p != "ar"]]
+    bandwidth = bandwidth or measure_bandwidth(next(model.parameters()).device)
+    report = {"bandwidth_gb_s": round(bandwidth / 1e9, 2), "rows": [], "prefill_seconds": {}}
+    for context in contexts:
+        prompt = prompt_for(context)
+        pipelines = {decoding: {} for decoding in decodings}
+        for decoding in decodings:
+            for name in names:
+                spec = {**(overrides or {}), **DECODINGS[decoding]}
+                if drafter_overrides(name, heads):
+                    spec["drafter"] = drafter_overrides(name, heads)
+                pipelines[decoding][name] = Pipeline.from_spec(name, model, tokenizer, overrides=spec)
+        every = [pipe for by_name in pipelines.values() for pipe in by_name.values()]
+        capacity = context + new_tokens + max(pipe.max_tree_nodes() for pipe in every)
+        prefilled = prefill_once({i: p for i, p in enumerate(every)}, prompt, capacity)
+        report["prefill_seconds"][str(context)] = round(prefilled.seconds, 2)
+        logger.info("context %d: prefilled once in %.1f s", context, prefilled.seconds)
+        runner = every[0].runner
+        roofline = Roofline(
+            weights=parameter_bytes(model), kv_per_position=runner.kv_bytes(1), bandwidth=bandwidth,
+        )
+        for decoding in decodings:
+            totals = {name: {"tokens": 0, "seconds": 0.0, "steps": 0.0, "passes": 0, "same": True} for name in names}
+            for seed in seeds:
+                results = run_interleaved(pipelines[decoding], prompt, new_tokens, seed=seed, progress=progress,
+                                          prefilled=prefilled)
+                for name, result in results.items():
+                    total = totals[name]
+                    total["tokens"] += result.new_tokens
+                    total["seconds"] += result.decode_seconds
+                    total["steps"] += result.new_tokens / result.tokens_per_step if result.tokens_per_step else 0
+                    total["passes"] += result.decisions.get("drafting_passes", 0)
+                    total["same"] &= result.tokens == results["ar"].tokens
+            ar_speed = totals["ar"]["tokens"] / totals["ar"]["seconds"]
+            for name in names:
+                total = totals[name]
+                speed = total["tokens"] / total["seconds"]
+                per_step = total["tokens"] / total["steps"] if total["steps"] else 1.0
+                passes = total["passes"] / total["steps"] if total["steps"] else 0.0
+                view = _view_positions(pipelines[decoding][name], context + new_tokens)
+                report["rows"].append({
+                    "context": context, "decoding": decoding, "method": name,
+                    "tokens_per_second": round(speed, 3), "ratio_to_ar": round(speed / ar_speed, 3),
+                    "tokens_per_step": round(per_step, 3), "drafting_passes_per_step": round(passes, 3),
+                    "roofline_tokens_per_second": round(
+                        roofline.tokens_per_second(context, new_tokens, per_step, passes, view), 2),
+                    "same_tokens_as_ar": total["same"],
+                })
+        del pipelines, every, prefilled
+        if on_context is not None:
+            on_context(report)
+    return report
+
+
+def _view_positions(pipeline, positions: int) -> int:
+    """Positions a drafting pass reads: the cache policy's view, else the whole context."""
+    kept = pipeline.cache_policy.view_positions(positions)
+    return kept if kept else positions
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        "| context | decoding | method | decode tok/s | vs ar | tok/step | drafting passes/step | roofline tok/s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in report["rows"]:
+        lines.append(
+            f"| {row['context']} | {row['decoding']} | {row['method']} | {row['tokens_per_second']} | "
+            f"{row['ratio_to_ar']} | {row['tokens_per_step']} | {row['drafting_passes_per_step']} | "
+            f"{row['roofline_tokens_per_second']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path) -> None:
+    """Speedup over ar vs context, one line per method and decoding (the paper's figure)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    series: dict[tuple[str, str], list[tuple[int, float]]] = {}
+    for row in report["rows"]:
+        if row["method"] != "ar":
+            series.setdefault((row["method"], row["decoding"]), []).append((row["context"], row["ratio_to_ar"]))
+    for (method, decoding), points in sorted(series.items()):
+        xs, ys = zip(*sorted(points))
+        ax.plot(xs, ys, marker="o", linestyle="-" if decoding == "greedy" else "--", label=f"{method} ({decoding})")
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prompt tokens (context)")
+    ax.set_ylabel("decode tokens/s vs ar (same run)")
+    ax.set_title(report.get("title", "speedup vs context"), fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
