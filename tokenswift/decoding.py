@@ -86,6 +86,7 @@ class Generation:
         self.gates = {DRAFTER: DraftGate(), RETRIEVER: DraftGate()} if auto else None
         self.proposing_seconds = {DRAFTER: 0.0, RETRIEVER: 0.0}  # what each proposer took this step
         self.proposers: list[int] = []  # the sources that proposed this step
+        self.view_seconds = 0.0  # what keeping the drafting view took this step
         # What a checkpoint resumes from: committed tokens and the generator after their draws.
         self._committed = (len(self.state.tokens), generator.get_state())
         self._prefilled = finish_reason is not None  # a finished checkpoint needs no forward
@@ -209,7 +210,11 @@ class Generation:
         inputs = DraftInputs(parent_hidden=self.parent_hidden)
         drafting_pass = None
         if pipeline.drafter.needs_root_pass:
+            started = time.perf_counter()
             view = pipeline.cache_policy.drafting_view(state)
+            # Keeping the view (and refreshing it, a full forward now and then) is paid
+            # whether or not a pass runs: it is no part of what a pass costs.
+            self.view_seconds = time.perf_counter() - started
             # Over the whole context the pass computes what the verify forward computes
             # for the root: with chosen trees it is run only over a partial view that pays.
             drafting_pass = self.passes is None or (view is not None and self.passes.run_pass())
@@ -247,7 +252,7 @@ class Generation:
             self.gates[source].observe(accepted * one_token - verified * extra - self.proposing_seconds[source])
         self.costs.observe_forward(len(tree), context, seconds["score"])
         if drafting_pass is not None:
-            self.passes.observe(drafting_pass, emitted, sum(seconds.values()))
+            self.passes.observe(drafting_pass, emitted, sum(seconds.values()) - self.view_seconds)
 
     def commit(self, tree: DraftTree, verdict: Verdict, hidden: torch.Tensor) -> tuple[list[int], list[int]]:
         """Keep the root and the accepted path in the KV, append the emitted tokens (cut

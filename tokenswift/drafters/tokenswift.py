@@ -61,7 +61,10 @@ class TokenSwiftDrafter(HeadDrafter):
         scorer = self.context.scorer
         context = scorer.context(state.tokens, device=first.device)
         processed = scorer(context, first)  # what verification will draw the root's token from
-        if scorer.sampling.greedy and inputs.root_exact:
+        if scorer.sampling.greedy:
+            # Greedy verification takes the argmax: over the whole context that is the
+            # pass's own argmax; over a partial view it nearly always is (the tracker
+            # corrects the estimate by what is accepted).
             chance = torch.zeros_like(processed).scatter_(1, processed.argmax(-1, keepdim=True), 1.0)
         else:
             chance = processed.float().softmax(-1)
