@@ -27,7 +27,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from tokenswift import Pipeline, hookimpl
-from tokenswift.memory import peak_rss_mib
+from tokenswift.memory import parameter_bytes, peak_rss_mib
 from tokenswift.checkpoint import Checkpoint
 from tokenswift.errors import SpecError
 from tokenswift.prompts import prompt_ids
@@ -41,11 +41,6 @@ def resident_mib() -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return float("nan")
-
-
-def parameter_bytes(model) -> int:
-    """Bytes of the model's parameters and buffers (``parameters()`` yields tied weights once)."""
-    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
 
 def rope_option(value: str | None) -> dict | None:

@@ -41,6 +41,11 @@ def available_bytes(device: torch.device) -> int | None:
     return None
 
 
+def parameter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters and buffers (``parameters()`` yields tied weights once)."""
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+
+
 def gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 

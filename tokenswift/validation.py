@@ -20,6 +20,19 @@ def int_at_least(option: str, low: int, *, optional: bool = False):
     return convert
 
 
+def weights_source(option: str, shipped: str, directory: str):
+    """An attrs converter for where weights come from: ``"auto"`` (``shipped``),
+    ``"random"``, or a ``directory`` path; any non-empty string passes here (a path is
+    checked when loaded)."""
+
+    def convert(value):
+        if not isinstance(value, str) or not value:
+            raise SpecError(f"{option} must be 'auto' ({shipped}), 'random', or {directory}; got {value!r}")
+        return value
+
+    return convert
+
+
 def integer(option: str):
     """An attrs converter accepting any integer (not a bool)."""
 

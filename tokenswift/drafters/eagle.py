@@ -32,18 +32,9 @@ from tokenswift.drafters.feature_net import FeatureNet, find_shipped_drafter
 from tokenswift.errors import SpecError
 from tokenswift.interfaces import Drafter
 from tokenswift.tree import DRAFTER, Branch
-from tokenswift.validation import boolean, int_at_least, integer
+from tokenswift.validation import boolean, int_at_least, integer, weights_source
 
 logger = logging.getLogger(__name__)
-
-
-def _weights_source(value):
-    if not isinstance(value, str) or not value:
-        raise SpecError(
-            f"drafter.weights must be 'auto' (the drafter shipped for this model), 'random', "
-            f"or a directory from `tokenswift train-drafter`; got {value!r}"
-        )
-    return value
 
 
 def _threshold(value):
@@ -72,7 +63,8 @@ class EagleDrafter(Drafter):
 
     @attrs.frozen(kw_only=True)
     class Options:
-        weights: str = attrs.field(default="auto", converter=_weights_source)
+        weights: str = attrs.field(default="auto", converter=weights_source(
+            "drafter.weights", "the drafter shipped for this model", "a directory from `tokenswift train-drafter`"))
         depth: int = attrs.field(default=4, converter=int_at_least("drafter.depth", 1))
         width: int = attrs.field(default=2, converter=int_at_least("drafter.width", 1))
         children: int = attrs.field(default=3, converter=int_at_least("drafter.children", 1))

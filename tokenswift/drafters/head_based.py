@@ -14,18 +14,9 @@ from tokenswift.drafters.draft_heads import DraftHeads, find_shipped_heads
 from tokenswift.errors import SpecError
 from tokenswift.interfaces import Drafter
 from tokenswift.tree import Branch
-from tokenswift.validation import int_at_least, integer
+from tokenswift.validation import int_at_least, integer, weights_source
 
 logger = logging.getLogger(__name__)
-
-
-def _heads_source(value):
-    if not isinstance(value, str) or not value:
-        raise SpecError(
-            f"drafter.heads must be 'auto' (the shipped heads for this model), 'random', "
-            f"or a directory of saved heads; got {value!r}"
-        )
-    return value
 
 
 PARENT_TREE = [3, 3, 3]  # candidates of the heads on the parent's hidden state (no drafting pass)
@@ -38,7 +29,8 @@ class HeadDrafter(Drafter):
 
     @attrs.frozen(kw_only=True)
     class Options:
-        heads: str = attrs.field(default="auto", converter=_heads_source)
+        heads: str = attrs.field(default="auto", converter=weights_source(
+            "drafter.heads", "the shipped heads for this model", "a directory of saved heads"))
         tree: list = attrs.field(default=None)
         num_heads: int = attrs.field(default=3, converter=int_at_least("drafter.num_heads", 1))
         seed: int = attrs.field(default=0, converter=integer("drafter.seed"))

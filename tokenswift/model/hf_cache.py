@@ -42,8 +42,8 @@ class ForwardPlan:
     view: KVView
     tree_mask: torch.Tensor
     recorder: AttentionRecorder | None = None
-    _tree_bias: torch.Tensor | None = attrs.field(default=None, init=False, repr=False)
-    _grouped_mask: torch.Tensor | None = attrs.field(default=None, init=False, repr=False)
+    _full_mask: torch.Tensor | None = attrs.field(default=None, init=False, repr=False)
+    _additive_masks: dict[str, torch.Tensor] = attrs.field(factory=dict, init=False, repr=False)
 
     @property
     def new_tokens(self) -> int:
@@ -60,26 +60,32 @@ class ForwardPlan:
         return self.new_tokens == 1
 
     def full_mask(self) -> torch.Tensor:
-        """[1, 1, n, S + n] bool: the prefix for all, then the tree mask."""
-        n = self.new_tokens
-        visible = torch.ones(n, self.prefix, dtype=torch.bool, device=self.tree_mask.device)
-        return torch.cat([visible, self.tree_mask], dim=1).view(1, 1, n, self.prefix + n)
+        """[1, 1, n, S + n] bool: the prefix for all, then the tree mask (built once)."""
+        if self._full_mask is None:
+            n = self.new_tokens
+            visible = torch.ones(n, self.prefix, dtype=torch.bool, device=self.tree_mask.device)
+            self._full_mask = torch.cat([visible, self.tree_mask], dim=1).view(1, 1, n, self.prefix + n)
+        return self._full_mask
 
     def tree_bias(self, group: int, dtype: torch.dtype) -> torch.Tensor:
         """The tree mask repeated for the ``group`` query heads of a KV head, additive
         (0 / -inf): [group * n, n], built once per forward."""
-        if self._tree_bias is None or self._tree_bias.dtype != dtype:
-            allowed = self.tree_mask.repeat(group, 1)
-            self._tree_bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
-        return self._tree_bias
+        return self._additive("tree", self.tree_mask, group, dtype)
 
     def grouped_mask(self, group: int, dtype: torch.dtype) -> torch.Tensor:
-        """:meth:`full_mask` repeated for the ``group`` query heads of a KV head and made
-        additive ([1, 1, group * n, S + n], 0 / -inf), once per forward (the dense path)."""
-        if self._grouped_mask is None or self._grouped_mask.dtype != dtype:
-            allowed = self.full_mask().repeat(1, 1, group, 1)
-            self._grouped_mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
-        return self._grouped_mask
+        """:meth:`full_mask` repeated likewise: [1, 1, group * n, S + n], once per
+        forward (the dense path)."""
+        return self._additive("full", self.full_mask(), group, dtype)
+
+    def _additive(self, key: str, allowed: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+        """``allowed`` ([..., n, K] bool) repeated ``group`` times along its rows and made
+        additive (0 / -inf) in ``dtype``; cached per forward under ``key``."""
+        cached = self._additive_masks.get(key)
+        if cached is None or cached.dtype != dtype:
+            repeated = allowed.repeat(*([1] * (allowed.dim() - 2)), group, 1)
+            cached = torch.zeros(repeated.shape, dtype=dtype, device=repeated.device).masked_fill_(~repeated, float("-inf"))
+            self._additive_masks[key] = cached
+        return cached
 
 
 class StoreLayer(CacheLayerMixin):

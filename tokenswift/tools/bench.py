@@ -38,6 +38,19 @@ def drafter_overrides(preset: str, heads: str) -> dict:
     if preset == "eagle":
         return {"weights": "random" if heads == "random" else "auto"}
     return {}
+
+
+def preset_pipeline(preset: str, model, tokenizer, *, heads: str = "auto", overrides: dict | None = None):
+    """``preset`` on ``model`` with ``overrides`` (spec sections) and the drafter options
+    a benchmark gives it (:func:`drafter_overrides`)."""
+    from tokenswift import Pipeline
+
+    spec = dict(overrides or {})
+    if drafter_overrides(preset, heads):
+        spec["drafter"] = drafter_overrides(preset, heads)
+    return Pipeline.from_spec(preset, model, tokenizer, overrides=spec)
+
+
 BLOCK = 1000
 
 

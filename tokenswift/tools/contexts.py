@@ -26,7 +26,8 @@ from collections.abc import Callable
 import attrs
 import torch
 
-from tokenswift.tools.bench import drafter_overrides
+from tokenswift.memory import parameter_bytes
+from tokenswift.tools.bench import preset_pipeline
 from tokenswift.tools.interleaved import run_interleaved
 
 logger = logging.getLogger(__name__)
@@ -54,11 +55,6 @@ def measure_bandwidth(device: torch.device | str = "cpu", mib: int = 256, repeat
         data.sum().item()
         best = min(best, time.perf_counter() - started)
     return data.numel() * 4 / best
-
-
-def parameter_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's parameters (tied weights once)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 @attrs.frozen(kw_only=True)
@@ -112,8 +108,6 @@ def run_contexts(
     the reference), once per seed; ``overrides`` (spec sections) go to every preset.
     Returns a JSON-ready report; ``on_context`` gets it after each context (a long
     sweep interrupted keeps what it measured)."""
-    from tokenswift import Pipeline
-
     names = ["ar", *[p for p in presets if p != "ar"]]
     bandwidth = bandwidth or measure_bandwidth(next(model.parameters()).device)
     report = {"bandwidth_gb_s": round(bandwidth / 1e9, 2), "rows": [], "prefill_seconds": {}}
@@ -123,9 +117,7 @@ def run_contexts(
         for decoding in decodings:
             for name in names:
                 spec = {**(overrides or {}), **DECODINGS[decoding]}
-                if drafter_overrides(name, heads):
-                    spec["drafter"] = drafter_overrides(name, heads)
-                pipelines[decoding][name] = Pipeline.from_spec(name, model, tokenizer, overrides=spec)
+                pipelines[decoding][name] = preset_pipeline(name, model, tokenizer, heads=heads, overrides=spec)
         every = [pipe for by_name in pipelines.values() for pipe in by_name.values()]
         capacity = context + new_tokens + max(pipe.max_tree_nodes() for pipe in every)
         prefilled = prefill_once({i: p for i, p in enumerate(every)}, prompt, capacity)

@@ -17,7 +17,7 @@ import attrs
 
 from tokenswift.model.runner import PrefilledPrompt
 from tokenswift.stats import StatsCollector
-from tokenswift.tools.bench import drafter_overrides
+from tokenswift.tools.bench import preset_pipeline
 
 
 @attrs.frozen(kw_only=True)
@@ -102,19 +102,12 @@ def compare_presets(
     """Every preset (``ar`` first, the reference) in turns with the others, once per
     seed; returns a JSON-ready report with each preset's decode tokens/s summed over
     the seeds and its ratio to ``ar``."""
-    from tokenswift import Pipeline
-
     names = ["ar", *[p for p in presets if p != "ar"]]
     overrides = {"sampling": {"greedy": True}} if greedy else {}
     totals = {name: {"tokens": 0, "seconds": 0.0, "steps_tokens": []} for name in names}
     per_seed = []
     for seed in seeds:
-        pipes = {}
-        for name in names:
-            spec_overrides = dict(overrides)
-            if drafter_overrides(name, heads):
-                spec_overrides["drafter"] = drafter_overrides(name, heads)
-            pipes[name] = Pipeline.from_spec(name, model, tokenizer, overrides=spec_overrides)
+        pipes = {name: preset_pipeline(name, model, tokenizer, heads=heads, overrides=overrides) for name in names}
         results = run_interleaved(pipes, prompt, new_tokens, seed=seed, progress=progress)
         per_seed.append({
             "seed": seed,
