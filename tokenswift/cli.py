@@ -37,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", help=f"model directory, .gguf file or packaged model (default {DEFAULT_MODEL!r})")
     gen.add_argument("--heads", help="directory of trained draft heads (for the tokenswift and medusa drafters)")
     gen.add_argument("--dtype", choices=DTYPE_CHOICES, help="model dtype (default: auto, the fastest for this machine)")
+    gen.add_argument(
+        "--compile", choices=("auto", "true", "false"),
+        help="compiled one-token forwards (default auto: where measured faster and the run repays compiling)",
+    )
     gen.add_argument("--device", help="model device: cpu, cuda or cuda:N (default: the spec's, else cpu)")
     prompt = gen.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help="prompt text")
@@ -141,6 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--seeds", type=int, nargs="+", help="with --interleaved or --contexts: one comparison per seed, summed")
     bench.add_argument(
+        "--compile", choices=("off", "on", "both", "all"), default="off",
+        help="with --interleaved: presets eager (off), compiled (on), both side by side (PRESET+compiled), or all "
+        "three with compile = auto (PRESET+auto); the compile time is reported",
+    )
+    bench.add_argument(
         "--contexts", type=int, nargs="+", metavar="TOKENS",
         help="long-context sweep: for each prompt length, one prefill shared by the presets (default ar,tokenswift), "
         "which decode in turns; ratios to ar, tokens/step and a memory roofline per context; RoPE scaled "
@@ -159,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
     cal.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     cal.add_argument("--show", action="store_true", help="show the cached calibration instead of measuring again")
+    cal.add_argument("--compile", action="store_true", help="also compare compiled and eager one-token steps (compiles the model)")
 
     sub.add_parser("components", help="list registered components and presets")
     return parser

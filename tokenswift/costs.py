@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import attrs
@@ -304,17 +305,22 @@ def load_calibration(runner) -> Calibration | None:
         return None
 
 
-def save_calibration(calibration: Calibration) -> Path | None:
-    path = calibration_path(calibration.key)
+def _write_json(path: Path, data: dict) -> bool:
+    """Write ``data`` to ``path`` whole or not at all (a temporary file, renamed)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(calibration.to_dict(), indent=2) + "\n")
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
         tmp.replace(path)
     except OSError as exc:
-        logger.warning("could not cache the calibration (%s); it will be measured again next time", exc)
-        return None
-    return path
+        logger.warning("could not cache %s (%s); it will be measured again next time", path.name, exc)
+        return False
+    return True
+
+
+def save_calibration(calibration: Calibration) -> Path | None:
+    path = calibration_path(calibration.key)
+    return path if _write_json(path, calibration.to_dict()) else None
 
 
 def calibration_for(runner, scorer, *, refresh: bool = False) -> Calibration:
@@ -340,17 +346,160 @@ class CostModel:
         self.calibration = calibration
         self.smoothing = smoothing
         self.scale = 1.0
+        # With compiled one-token forwards: their measured cost over the eager one's
+        # (a function of the context; None: eager).
+        self.one_token_factor: Callable[[int], float] | None = None
+
+    def _predicted(self, nodes: int, context: int) -> float:
+        seconds = self.calibration.forward_seconds(nodes, context)
+        if nodes == 1 and self.one_token_factor is not None:
+            seconds *= self.one_token_factor(context)
+        return seconds
 
     def forward_seconds(self, nodes: int, context: int) -> float:
-        return self.calibration.forward_seconds(nodes, context) * self.scale
+        return self._predicted(nodes, context) * self.scale
 
     @property
     def score_seconds(self) -> float:
         return self.calibration.score_ms / 1000 * self.scale
 
     def observe_forward(self, nodes: int, context: int, seconds: float) -> None:
-        predicted = self.calibration.forward_seconds(nodes, context)
+        predicted = self._predicted(nodes, context)
         if predicted <= 0 or seconds <= 0:
             return
         ratio = min(max(seconds / predicted, 0.2), 5.0)  # one outlier (a page fault, a GC) moves it little
         self.scale += self.smoothing * (ratio - self.scale)
+
+
+# -- compiled one-token forwards ---------------------------------------------------------
+
+COMPILE_FORMAT = "tokenswift-compile-calibration/1"
+COMPILE_CONTEXTS = (256, 2048)
+
+
+@attrs.frozen(kw_only=True)
+class CompileCalibration:
+    """One-token forwards eager vs compiled (:mod:`tokenswift.model.compiled`) on this
+    machine, and what compiling took."""
+
+    key: str
+    machine: str
+    contexts: tuple[int, ...]
+    eager_ms: tuple[float, ...]  # per context: a one-token forward plus its LM-head row
+    compiled_ms: tuple[float, ...]
+    compile_seconds: float  # what the measurement's compile took (a first compile: no cached kernels)
+
+    def to_dict(self) -> dict:
+        return {"format": COMPILE_FORMAT, **attrs.asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CompileCalibration:
+        data = dict(data)
+        if data.pop("format", None) != COMPILE_FORMAT:
+            raise ValueError("not a tokenswift compile calibration")
+        for name in ("contexts", "eager_ms", "compiled_ms"):
+            data[name] = tuple(data[name])
+        return cls(**data)
+
+    def milliseconds(self, context: int) -> tuple[float, float]:
+        """(eager, compiled) ms of a one-token step at ``context`` positions (linear in
+        the context: attention reads every position)."""
+        return (
+            _extrapolate(self.contexts, self.eager_ms, context),
+            _extrapolate(self.contexts, self.compiled_ms, context),
+        )
+
+    def factor(self, context: int) -> float:
+        """Compiled over eager time of a one-token step at ``context``."""
+        eager, compiled = self.milliseconds(context)
+        return compiled / eager if eager > 0 else 1.0
+
+    def saving_seconds(self, context: int) -> float:
+        """Seconds a compiled one-token step saves at ``context`` (negative: it loses)."""
+        eager, compiled = self.milliseconds(context)
+        return (eager - compiled) / 1000
+
+
+def _extrapolate(xs, ys, x):
+    if len(xs) == 1:
+        return ys[0]
+    (x0, x1), (y0, y1) = xs[:2], ys[:2]
+    return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 0.0)
+
+
+def _one_token_step(runner, context: int):
+    token = torch.zeros(1, dtype=torch.long)
+
+    def run():
+        runner.store.occupy(context)
+        runner.logits(runner.forward(token, logits_rows=None).hidden)
+
+    return run
+
+
+def measure_compile(runner, *, repeats: int = 5) -> CompileCalibration:
+    """Compile ``runner``'s one-token forward and time it against the eager one, in
+    turns, at :data:`COMPILE_CONTEXTS` (leaves the store empty and the runner eager).
+    Raises :class:`~tokenswift.model.compiled.CompileUnavailable` where it cannot compile."""
+    limit = int(getattr(runner.config, "max_position_embeddings", None) or COMPILE_CONTEXTS[-1] * 2)
+    contexts = tuple(sorted({min(c, max(limit // 2, 2)) for c in COMPILE_CONTEXTS}))
+    runner.allocate(max(contexts) + 2)
+    compiled = runner.use_compiled(True)
+    before = compiled.compile_seconds
+    try:
+        _one_token_step(runner, contexts[0])()  # compiles both graphs (unless done before)
+        compile_seconds = compiled.compile_seconds - before
+        eager_ms, compiled_ms = [], []
+        for context in contexts:
+            step = _one_token_step(runner, context)
+            ms = _interleaved_ms(
+                {"eager": (lambda: runner.use_compiled(False), step), "compiled": (lambda: runner.use_compiled(True), step)},
+                repeats,
+            )
+            eager_ms.append(round(ms["eager"], 3))
+            compiled_ms.append(round(ms["compiled"], 3))
+    finally:
+        runner.use_compiled(False)
+        runner.store.reset()
+    result = CompileCalibration(
+        key=calibration_key(runner), machine=machine_name(runner.device), contexts=contexts,
+        eager_ms=tuple(eager_ms), compiled_ms=tuple(compiled_ms), compile_seconds=round(compile_seconds, 2),
+    )
+    logger.info(
+        "compiled one-token steps: %s ms vs eager %s ms at contexts %s (compiling took %.1f s)",
+        result.compiled_ms, result.eager_ms, contexts, result.compile_seconds,
+    )
+    return result
+
+
+def compile_calibration_path(key: str) -> Path:
+    return cache_dir() / "calibration" / f"{key}-compile.json"
+
+
+def load_compile_calibration(runner) -> CompileCalibration | None:
+    """The cached comparison for this machine and model shape, if any."""
+    path = compile_calibration_path(calibration_key(runner))
+    try:
+        return CompileCalibration.from_dict(json.loads(path.read_text()))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        logger.warning("ignoring an unreadable compile calibration %s (%s)", path, exc)
+        return None
+
+
+def compile_calibration_for(runner) -> CompileCalibration:
+    """The cached comparison of compiled and eager one-token steps, or a new one
+    (compiles the model: up to ~2 minutes on a small CPU the first time; then cached)."""
+    cached = load_compile_calibration(runner)
+    if cached is not None:
+        return cached
+    logger.warning("measuring compiled against eager one-token forwards once (compiles the model; cached for next time)")
+    result = measure_compile(runner)
+    save_compile_calibration(result)
+    return result
+
+
+def save_compile_calibration(result: CompileCalibration) -> Path | None:
+    path = compile_calibration_path(result.key)
+    return path if _write_json(path, result.to_dict()) else None

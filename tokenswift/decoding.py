@@ -90,8 +90,16 @@ class Generation:
         # What a checkpoint resumes from: committed tokens and the generator after their draws.
         self._committed = (len(self.state.tokens), generator.get_state())
         self._prefilled = finish_reason is not None  # a finished checkpoint needs no forward
+        self.compiled = False  # one-token forwards compiled (decided at the prefill)
+        self._compile_seconds_before = 0.0
 
     # -- results --------------------------------------------------------------------
+
+    @property
+    def compile_seconds(self) -> float:
+        """What compiling took during this run (the first compiled forwards)."""
+        compiled = self.pipeline.runner.compiled
+        return compiled.compile_seconds - self._compile_seconds_before if self.compiled and compiled is not None else 0.0
 
     @property
     def new_tokens(self) -> list[int]:
@@ -119,6 +127,8 @@ class Generation:
         first root), or copy it from ``prefilled`` (the same prompt, prefilled once for
         several runs); start the components."""
         pipeline, runner = self.pipeline, self.pipeline.runner
+        self.compiled = pipeline.prepare_compiled(len(self.prompt_ids) + self.max_new_tokens // 2, self.max_new_tokens - self.state.generated)
+        self._compile_seconds_before = runner.compiled.compile_seconds if runner.compiled is not None else 0.0
         started = time.perf_counter()
         runner.allocate(len(self.prompt_ids) + self.max_new_tokens + pipeline.max_tree_nodes())
         wanted = pipeline.drafter.prompt_features

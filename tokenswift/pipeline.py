@@ -22,12 +22,13 @@ import torch
 
 from tokenswift import distributed
 from tokenswift.checkpoint import Checkpoint
-from tokenswift.costs import CostModel, calibration_for
+from tokenswift.costs import CostModel, calibration_for, compile_calibration_for, load_compile_calibration
 from tokenswift.decoding import Generation
 from tokenswift.detok import IncrementalDecoder
 from tokenswift.errors import SpecError
 from tokenswift.interfaces import BuildContext
 from tokenswift.memory import WORKING_SLACK, MemoryEstimate, available_bytes, gib
+from tokenswift.model.compiled import AUTO_CALIBRATE_MIN_TOKENS, AUTO_MIN_PARAMETERS, CompiledForward, CompileUnavailable, compiler_problem
 from tokenswift.model.loading import load_model
 from tokenswift.model.runner import Runner
 from tokenswift.registry import PluginManager, Registry, build_registry, get_plugin_manager
@@ -114,7 +115,7 @@ class Pipeline:
         for kind in COMPONENT_KINDS:  # fail on bad names/options before a slow model load
             registry.make_options(kind, spec_obj.component(kind))
         if model is None:
-            if spec_obj.model is None:
+            if spec_obj.model is None or spec_obj.model.compile_only:
                 raise SpecError("no model: pass model= or give a [model] section with 'path' or 'tiny'")
             model, loaded_tokenizer = load_model(spec_obj.model)
             tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
@@ -226,6 +227,63 @@ class Pipeline:
             self._costs = CostModel(calibration_for(self.runner, self.scorer))
         return self._costs
 
+    @property
+    def compile_choice(self) -> str | bool:
+        """The spec's ``[model] compile``: "auto", True or False."""
+        return self.spec.model.compile if self.spec.model is not None else "auto"
+
+    def prepare_compiled(self, context: int, new_tokens: int) -> bool:
+        """Turn compiled one-token forwards on or off for a run of ``new_tokens`` tokens
+        ending near ``context`` positions, as ``[model] compile`` says; says which.
+
+        ``"auto"`` compiles where the compile calibration (measured once per machine and
+        model, :func:`~tokenswift.costs.compile_calibration_for`) says compiled steps are
+        faster at this context and the run saves more than compiling costs (nothing, once
+        this process has compiled the model). Until that comparison is cached, only runs of
+        :data:`~tokenswift.model.compiled.AUTO_CALIBRATE_MIN_TOKENS` tokens or more make it
+        (compiling first costs up to two minutes on a small CPU). Never for models under
+        :data:`~tokenswift.model.compiled.AUTO_MIN_PARAMETERS` (test models) or under torchrun."""
+        choice, runner = self.compile_choice, self.runner
+        on = choice is True or (choice == "auto" and self._compile_pays(context, new_tokens))
+        try:
+            runner.use_compiled(on)
+        except CompileUnavailable as exc:
+            logger.warning("compile = %s, but compiled forwards are unavailable here, decoding eagerly: %s", choice, exc)
+            runner.use_compiled(False)
+        if self._costs is not None:
+            factor = self._compile_factor() if runner.compiled is not None else None
+            self._costs.one_token_factor = factor
+        return runner.compiled is not None
+
+    def _compile_pays(self, context: int, new_tokens: int) -> bool:
+        runner = self.runner
+        if distributed.launched() or runner.tp_size != 1 or compiler_problem(runner.device) is not None:
+            return False
+        if sum(p.numel() for p in self.model.parameters()) < AUTO_MIN_PARAMETERS:
+            return False
+        if load_compile_calibration(runner) is None and new_tokens < AUTO_CALIBRATE_MIN_TOKENS:
+            logger.info("compile = auto: eager (compiled forwards not yet measured on this machine; a run of %d+ "
+                        "tokens measures them, or `tokenswift calibrate --compile`)", AUTO_CALIBRATE_MIN_TOKENS)
+            return False
+        try:
+            calibration = compile_calibration_for(runner)
+        except CompileUnavailable as exc:
+            logger.warning("compile = auto: compiled forwards are unavailable here (%s)", exc)
+            return False
+        saving = calibration.saving_seconds(context) * new_tokens
+        compiled = CompiledForward.ready_for(self.model)
+        pays = saving > 0 and (compiled or saving > calibration.compile_seconds)
+        logger.info(
+            "compile = auto: compiled one-token steps %s at %d positions (%.1f s saved over %d tokens%s)",
+            "on" if pays else "off", context, saving, new_tokens,
+            "" if compiled else f", compiling costs ~{calibration.compile_seconds:.0f} s",
+        )
+        return pays
+
+    def _compile_factor(self):
+        calibration = load_compile_calibration(self.runner)
+        return None if calibration is None else calibration.factor
+
     def max_tree_nodes(self) -> int:
         return 1 + sum(component.max_tree_nodes for component in self.components)
 
@@ -329,6 +387,8 @@ class Pipeline:
                 prefill_seconds=run.prefill_seconds,
                 finish_reason=run.finish_reason,
                 dtype=str(self.runner.dtype).removeprefix("torch."),
+                compiled=run.compiled and self.runner.compiled is not None,
+                compile_seconds=run.compile_seconds,
             ),
             seed=run.seed,
             prompt_tokens=run.prompt_ids,

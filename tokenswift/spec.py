@@ -224,6 +224,17 @@ def _device(value):
     return value
 
 
+COMPILE_CHOICES = ("auto", True, False)
+
+
+def _compile(value):
+    if isinstance(value, str) and value.lower() in ("true", "false", "auto"):
+        value = {"true": True, "false": False, "auto": "auto"}[value.lower()]
+    if value not in COMPILE_CHOICES or (value is not True and value is not False and value != "auto"):
+        raise SpecError(f"model.compile must be \"auto\", true or false, got {value!r}")
+    return value
+
+
 @attrs.frozen(kw_only=True)
 class ModelSpec:
     """Where the model comes from.
@@ -241,12 +252,25 @@ class ModelSpec:
     device: str = attrs.field(default="cpu", validator=lambda i, a, v: _device(v))
     # RoPE-scaling override for runs past the trained context, e.g. {type = "yarn", factor = 16}.
     rope: dict[str, Any] | None = attrs.field(default=None, converter=lambda v: _rope(v), hash=False)
+    # Compiled one-token forwards (tokenswift.model.compiled): "auto" compiles where the
+    # calibration measured it faster and the run is long enough to repay compiling.
+    compile: str | bool = attrs.field(default="auto", converter=_compile)
 
     def __attrs_post_init__(self):
+        if self.compile_only:
+            return  # a model object passed in, with only this section's compile choice
         if (self.path is None) == (self.tiny is None):
             raise SpecError("[model] needs exactly one of 'path' (a directory, .gguf file or packaged model) or 'tiny' (a config dict)")
         if self.tiny is not None and not isinstance(self.tiny, Mapping):
             raise SpecError(f"model.tiny must be a config table, got {self.tiny!r}")
+
+    @property
+    def compile_only(self) -> bool:
+        """No model to load, only the compile choice (for a model passed in)."""
+        defaults = ModelSpec.__attrs_attrs__
+        return self.path is None and self.tiny is None and all(
+            getattr(self, a.name) == a.default for a in defaults if a.name != "compile"
+        )
 
     @classmethod
     def from_value(cls, value: Any) -> ModelSpec:

@@ -79,6 +79,8 @@ class GenerationStats:
     chosen_steps: int = 0  # steps whose tree was chosen by the cost model
     chosen_tokens: int = 0  # tokens those steps emitted
     forward_seconds: float = 0.0  # measured verify-forward seconds of those steps
+    compiled: bool = False  # one-token forwards ran compiled (tokenswift.model.compiled)
+    compile_seconds: float = 0.0  # what compiling took during this run (in `seconds`)
 
     @property
     def decode_seconds(self) -> float:
@@ -117,6 +119,8 @@ class GenerationStats:
             "tokens_per_step": round(self.tokens_per_step, 3),
             "acceptance_rate": round(self.acceptance_rate, 3),
             "retriever_share": round(self.retriever_share, 3),
+            "compiled": self.compiled,
+            "compile_seconds": round(self.compile_seconds, 2),
             "finish_reason": self.finish_reason,
         }
 
@@ -165,7 +169,8 @@ class StatsCollector:
             self.stage[stage] = self.stage.get(stage, 0.0) + seconds
 
     def stats(
-        self, *, prompt_tokens: int, new_tokens: int, seconds: float, prefill_seconds: float, finish_reason: str, dtype: str = ""
+        self, *, prompt_tokens: int, new_tokens: int, seconds: float, prefill_seconds: float, finish_reason: str, dtype: str = "",
+        compiled: bool = False, compile_seconds: float = 0.0,
     ) -> GenerationStats:
         return GenerationStats(
             prompt_tokens=prompt_tokens,
@@ -188,4 +193,6 @@ class StatsCollector:
             chosen_steps=self.chosen_steps,
             chosen_tokens=self.chosen_tokens,
             forward_seconds=self.forward_seconds,
+            compiled=compiled,
+            compile_seconds=compile_seconds,
         )

@@ -73,7 +73,7 @@ def run_interleaved(args) -> int:
     from tokenswift.prompts import prompt_ids
     from tokenswift.spec import ModelSpec
     from tokenswift.tools.bench import PRESET_METHODS
-    from tokenswift.tools.interleaved import compare_presets, markdown
+    from tokenswift.tools.interleaved import compare_presets, markdown, variant_names
 
     presets = list(PRESET_METHODS)
     if args.methods:
@@ -90,16 +90,17 @@ def run_interleaved(args) -> int:
     model, tokenizer = load_model(ModelSpec(path=args.model, dtype=args.dtype, device=args.device))
     prompt = prompt_ids(tokenizer, args.prompt_tokens)
     names = ["ar", *[p for p in presets if p != "ar"]]
-    bar = tqdm(total=new_tokens * len(names) * len(seeds), unit="tok", file=sys.stderr, dynamic_ncols=True)
+    bar = tqdm(total=new_tokens * len(variant_names(names, args.compile)) * len(seeds), unit="tok", file=sys.stderr, dynamic_ncols=True)
     report = compare_presets(model, tokenizer, names, prompt, new_tokens, seeds=seeds, greedy=args.greedy, heads=args.heads,
-                             progress=lambda name, count: bar.update(count))
+                             compile=args.compile, progress=lambda name, count: bar.update(count))
     bar.close()
+    report["roofline"] = reference_roofline(model, report, args.prompt_tokens, new_tokens)
     from tokenswift.machine import machine_name
 
     report["config"] = {
         "model": args.model, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "device": args.device,
         "machine": machine_name(next(model.parameters()).device), "prompt_tokens": args.prompt_tokens,
-        "new_tokens": new_tokens, "seeds": seeds, "greedy": args.greedy,
+        "new_tokens": new_tokens, "seeds": seeds, "greedy": args.greedy, "compile": args.compile,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -109,6 +110,23 @@ def run_interleaved(args) -> int:
     print(table, end="")
     print(f"{report['config']['machine']}, {report['config']['dtype']}; wrote {out / 'interleaved.json'} and interleaved.md", file=sys.stderr)
     return 0
+
+
+def reference_roofline(model, report: dict, prompt_tokens: int, new_tokens: int) -> dict:
+    """The reference's ms per token beside what memory traffic allows (its weights and the
+    mean context's KV read once per token, over this machine's measured bandwidth)."""
+    from tokenswift.memory import parameter_bytes
+    from tokenswift.model.runner import Runner
+    from tokenswift.tools.contexts import Roofline, measure_bandwidth
+
+    runner = Runner(model)
+    bandwidth = measure_bandwidth(runner.device)
+    roof = Roofline(weights=parameter_bytes(model), kv_per_position=runner.kv_bytes(1), bandwidth=bandwidth)
+    floor_ms = 1000 * roof.forward_seconds(prompt_tokens + new_tokens / 2)
+    speed = report["summary"][report["reference"]]["tokens_per_second"]
+    ms = 1000 / speed if speed else float("inf")
+    return {"bandwidth_gb_s": round(bandwidth / 1e9, 1), "floor_ms": round(floor_ms, 2), "ms_per_token": round(ms, 2),
+            "fraction": round(floor_ms / ms, 3)}
 
 
 def run_contexts(args) -> int:

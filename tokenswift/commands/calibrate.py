@@ -32,4 +32,27 @@ def run(args) -> int:
     print("verify forward, ms, by new tokens (columns) and context length (rows):")
     print(calibration.table())
     print(f"took {calibration.seconds:.1f} s; cached in {calibration_path(calibration.key)}", file=sys.stderr)
+    if args.compile:
+        show_compile(pipe.runner, refresh=not args.show)
     return 0
+
+
+def show_compile(runner, *, refresh: bool) -> None:
+    """Compiled vs eager one-token steps (measured again unless only shown)."""
+    from tokenswift.costs import compile_calibration_path, load_compile_calibration, measure_compile, save_compile_calibration
+    from tokenswift.model.compiled import CompileUnavailable
+
+    try:
+        if refresh:
+            result = measure_compile(runner)
+            save_compile_calibration(result)
+        else:
+            result = load_compile_calibration(runner)
+            if result is None:
+                raise CliError("no compile calibration is cached for this model on this machine; run without --show")
+    except CompileUnavailable as exc:
+        raise CliError(f"compiled forwards are unavailable here: {exc}") from None
+    print("one-token step (forward + LM-head row), ms, eager vs compiled:")
+    for context, eager, compiled in zip(result.contexts, result.eager_ms, result.compiled_ms):
+        print(f"  context {context}: eager {eager:.1f}, compiled {compiled:.1f} ({eager / compiled:.2f}x)")
+    print(f"compiling took {result.compile_seconds:.1f} s; cached in {compile_calibration_path(result.key)}", file=sys.stderr)

@@ -36,6 +36,8 @@ def _spec_and_overrides(args):
         model["dtype"] = args.dtype
     if args.device:
         model["device"] = args.device
+    if args.compile:
+        model["compile"] = args.compile
     overrides: dict = {"model": model}
     if args.greedy:
         overrides["sampling"] = {"greedy": True}

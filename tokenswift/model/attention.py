@@ -23,13 +23,16 @@ gets no mask on multi-token steps).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from tokenswift.model.hf_cache import PLAN_KWARG
+from tokenswift.model.hf_cache import EXTERNAL_KV_KWARG, PLAN_KWARG, ForwardPlan
+from tokenswift.model.kv import KVStore
 
 ATTENTION_NAME = "tokenswift"
 
@@ -135,25 +138,81 @@ def splits_better(new_tokens: int, prefix: int) -> bool:
     return new_tokens >= SPLIT_FROM_TOKENS and prefix >= 4 * new_tokens
 
 
+def plan_attention(layer: int, query, key, value, plan: ForwardPlan, scaling: float) -> torch.Tensor:
+    """Attention of a runner forward as its ``plan`` says (batch 1, no dropout, no
+    softcap): query [1, q_heads, n, D]; key/value [1, kv_heads, S + n, D], the view's
+    positions then the new tokens'. Records the last query's probabilities if the plan
+    has a recorder. Returns [1, n, q_heads, D]."""
+    if plan.recorder is not None:
+        allowed = None if plan.dense else plan.full_mask()[0, 0, -1]
+        plan.recorder.record(layer, query, key, allowed, scaling)
+    if plan.dense:
+        return grouped_attention(query, key, value, None, scaling)
+    group = query.shape[1] // key.shape[1]
+    if query.device.type == "cpu" and splits_better(plan.new_tokens, plan.prefix):
+        bias = plan.tree_bias(group, torch.float64 if query.dtype == torch.float64 else torch.float32)
+        return split_attention(query, key, value, plan.prefix, bias, scaling)
+    return grouped_attention(query, key, value, plan.grouped_mask(group, query.dtype), scaling)
+
+
+# -- compiled forwards ----------------------------------------------------------------
+#
+# A compiled forward (tokenswift.model.compiled) traces the model with no cache: each
+# layer hands its new tokens' keys/values to the attention function, which calls
+# ``tokenswift::attend``, an operator opaque to the compiler. It writes them where the
+# active plan's view says and attends as above, in eager code: so every view, cache
+# policy and the attention recorder work unchanged, and the compiled graph (norms,
+# rotary embedding, projections, MLP) depends on nothing but the number of new tokens.
+
+_ACTIVE: list[tuple[ForwardPlan, KVStore]] = []
+
+
+@contextlib.contextmanager
+def attending(plan: ForwardPlan, store: KVStore):
+    """Make ``plan`` over ``store`` the one ``tokenswift::attend`` serves."""
+    _ACTIVE.append((plan, store))
+    try:
+        yield
+    finally:
+        _ACTIVE.pop()
+
+
+@torch.library.custom_op("tokenswift::attend", mutates_args=())
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float) -> torch.Tensor:
+    """The new tokens' keys/values joined to the active plan's view (written into the
+    KV store or the view's buffers) and attended over. query: [1, q_heads, n, D];
+    key/value: [1, kv_heads, n, D] (RoPE applied). Returns [1, n, q_heads, D]."""
+    if not _ACTIVE:
+        raise RuntimeError("tokenswift::attend runs only inside a runner forward (no active plan)")
+    plan, store = _ACTIVE[-1]
+    keys, values = plan.view.join(store, layer, key, value)
+    return plan_attention(layer, query, keys, values, plan, scaling)
+
+
+@attend.register_fake
+def _attend_shape(query, key, value, layer, scaling):
+    _, q_heads, n, dim = query.shape
+    return query.new_empty(1, n, q_heads, dim)
+
+
 def tokenswift_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """The attention function registered as ``"tokenswift"`` (see the module docstring)."""
     plan = kwargs.pop(PLAN_KWARG, None)
+    external = kwargs.pop(EXTERNAL_KV_KWARG, False)
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     unsupported = dropout or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None
-    if plan is not None:
-        if plan.recorder is not None:
-            allowed = None if plan.dense else plan.full_mask()[0, 0, -1]
-            plan.recorder.record(module.layer_idx, query, key, allowed, scaling)
+    if external:
         if unsupported or query.shape[0] != 1:
+            raise NotImplementedError("compiled forwards support batch 1 without dropout, softcap or attention sinks")
+        return torch.ops.tokenswift.attend(query, key, value, module.layer_idx, float(scaling)), None
+    if plan is not None:
+        if unsupported or query.shape[0] != 1:
+            if plan.recorder is not None:
+                allowed = None if plan.dense else plan.full_mask()[0, 0, -1]
+                plan.recorder.record(module.layer_idx, query, key, allowed, scaling)
             mask = None if plan.dense else plan.full_mask()
             return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
-        if plan.dense:
-            return grouped_attention(query, key, value, None, scaling), None
-        group = query.shape[1] // key.shape[1]
-        if query.device.type == "cpu" and splits_better(plan.new_tokens, plan.prefix):
-            bias = plan.tree_bias(group, torch.float64 if query.dtype == torch.float64 else torch.float32)
-            return split_attention(query, key, value, plan.prefix, bias, scaling), None
-        return grouped_attention(query, key, value, plan.grouped_mask(group, query.dtype), scaling), None
+        return plan_attention(module.layer_idx, query, key, value, plan, scaling), None
     # No mask on a multi-token step means "causal" to transformers (its own forwards
     # outside the runner): leave that, and any other unusual case, to its SDPA path.
     implicit_causal = attention_mask is None and query.shape[2] > 1

@@ -23,6 +23,9 @@ if TYPE_CHECKING:
     from tokenswift.model.attention import AttentionRecorder
 
 PLAN_KWARG = "tokenswift_plan"
+# A compiled forward passes this (True) instead of a plan: the attention function then
+# joins the keys/values itself (see tokenswift.model.attention.attend).
+EXTERNAL_KV_KWARG = "tokenswift_external_kv"
 
 
 @attrs.define(eq=False)

@@ -22,7 +22,8 @@ import attrs
 import torch
 
 from tokenswift.distributed import tensor_parallel_size
-from tokenswift.model.attention import AttentionRecorder, register_attention
+from tokenswift.model.attention import AttentionRecorder, attending, register_attention
+from tokenswift.model.compiled import CompiledForward, CompileUnavailable
 from tokenswift.model.hf_cache import PLAN_KWARG, ForwardPlan, StoreCache
 from tokenswift.model.kv import KVStore, KVView, Staging
 from tokenswift.model.linear import PackedLinears, packing_available
@@ -104,6 +105,7 @@ class Runner:
         self.packed_linears: PackedLinears | None = None  # see use_packed_linears
         self.packed_from_rows: int | None = None
         self.packed_lm_head = False
+        self.compiled: CompiledForward | None = None  # see use_compiled
 
     # -- how products are computed -------------------------------------------------
 
@@ -122,6 +124,20 @@ class Runner:
             self.packed_linears = PackedLinears.for_model(self.model)
         self.packed_from_rows = from_rows
         self.packed_lm_head = lm_head
+
+    def use_compiled(self, on: bool) -> CompiledForward | None:
+        """Run one-token forwards and LM-head rows through the model's compiled graphs
+        (:mod:`tokenswift.model.compiled`; compiled on first use) or not. Raises
+        :class:`~tokenswift.model.compiled.CompileUnavailable` where torch.compile
+        cannot run."""
+        if on and self.tp_size != 1:
+            raise CompileUnavailable("compiled forwards are not supported under tensor parallelism")
+        self.compiled = CompiledForward.for_model(self.model, self.decoder, self.lm_head, self.logits_dtype) if on else None
+        return self.compiled
+
+    def _compile_failed(self, exc: CompileUnavailable) -> None:
+        logger.warning("compiled forwards are unavailable here, decoding eagerly: %s", exc)
+        self.compiled = None
 
     def _products(self, rows: int):
         """The context products of ``rows`` rows run in."""
@@ -216,6 +232,13 @@ class Runner:
         tree_mask = tree_mask.to(self.device, torch.bool)
         recorder = AttentionRecorder() if record_attention else None
         plan = ForwardPlan(view=view, tree_mask=tree_mask, recorder=recorder)
+        if self.compiled is not None and n == 1:
+            try:
+                with attending(plan, store):
+                    hidden = self.compiled.forward(tokens.view(1, 1), positions)  # [1, hidden_size]
+                return self._output(plan, store, hidden, logits_rows, recorder)
+            except CompileUnavailable as exc:
+                self._compile_failed(exc)  # then the same forward, eager
         self.cache.plan = plan
         try:
             with self._products(n):
@@ -231,9 +254,12 @@ class Runner:
                 )
         finally:
             self.cache.plan = None
-        view.finish(store, n)
+        return self._output(plan, store, out.last_hidden_state[0], logits_rows, recorder)
+
+    def _output(self, plan: ForwardPlan, store: KVStore, hidden: torch.Tensor, logits_rows, recorder) -> ForwardOutput:
+        """hidden: [n, hidden_size], the forward's final-norm states."""
+        plan.view.finish(store, plan.new_tokens)
         attention = recorder.probabilities if recorder is not None else None
-        hidden = out.last_hidden_state[0]  # [n, hidden_size]
         if logits_rows is None:
             return ForwardOutput(logits=None, hidden=hidden, attention=attention)
         hidden = hidden[logits_rows]
@@ -242,6 +268,11 @@ class Runner:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [m, hidden_size] final-norm states -> [m, vocab] logits in ``logits_dtype``."""
+        if self.compiled is not None and hidden.shape[0] == 1:
+            try:
+                return self.compiled.logits(hidden)
+            except CompileUnavailable as exc:
+                self._compile_failed(exc)
         products = self.packed_linears if self.packed_lm_head else contextlib.nullcontext()
         with products:
             return self.lm_head(hidden).to(self.logits_dtype)

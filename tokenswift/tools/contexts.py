@@ -28,7 +28,7 @@ import torch
 
 from tokenswift.memory import parameter_bytes
 from tokenswift.tools.bench import preset_pipeline
-from tokenswift.tools.interleaved import run_interleaved
+from tokenswift.tools.interleaved import prefill_once, run_interleaved
 
 logger = logging.getLogger(__name__)
 
@@ -77,15 +77,6 @@ class Roofline:
         mean_context = context + new_tokens / 2
         step = self.forward_seconds(mean_context) + drafting_passes_per_step * self.forward_seconds(min(view_positions, mean_context))
         return tokens_per_step / step
-
-
-def prefill_once(pipelines: dict, prompt: list[int], capacity: int):
-    """Prefill ``prompt`` once, in the first pipeline's runner (sized for the runs), with
-    the prompt features the most demanding drafter wants."""
-    first = next(iter(pipelines.values()))
-    wanted = max(max(1, pipe.drafter.prompt_features) for pipe in pipelines.values())
-    first.runner.allocate(capacity)
-    return first.runner.prefill_prompt(prompt, keep_hidden=wanted)
 
 
 def run_contexts(

@@ -35,6 +35,15 @@ class InterleavedResult:
         return self.tokens_per_second / other.tokens_per_second if other.tokens_per_second else 0.0
 
 
+def prefill_once(pipelines: dict, prompt: list[int], capacity: int) -> PrefilledPrompt:
+    """Prefill ``prompt`` once, in the first pipeline's runner (sized for the runs), with
+    the prompt features the most demanding drafter wants."""
+    first = next(iter(pipelines.values()))
+    wanted = max(max(1, pipe.drafter.prompt_features) for pipe in pipelines.values())
+    first.runner.allocate(capacity)
+    return first.runner.prefill_prompt(prompt, keep_hidden=wanted)
+
+
 def run_interleaved(
     pipelines: Mapping[str, object],
     prompt: list[int],
@@ -87,6 +96,25 @@ def run_interleaved(
     return results
 
 
+# bench --compile: which [model] compile choices each preset runs with, and their labels.
+COMPILE_MODES = {"off": (False,), "on": (True,), "both": (False, True), "all": (False, True, "auto")}
+SUFFIXES = {False: "", True: "+compiled", "auto": "+auto"}
+
+
+def variant_names(presets: list[str], compile: str) -> dict[str, tuple[str, bool | str]]:
+    """The pipelines a comparison runs, by label: each preset eager (``PRESET``),
+    compiled (``PRESET+compiled``) and/or as ``compile = "auto"`` decides
+    (``PRESET+auto``), ``ar`` first (the reference)."""
+    names = ["ar", *[p for p in presets if p != "ar"]]
+    return {f"{name}{SUFFIXES[choice]}": (name, choice) for name in names for choice in COMPILE_MODES[compile]}
+
+
+def compile_model_once(model, tokenizer) -> float:
+    """Compile ``model``'s one-token forward now (outside any timed turn); the seconds."""
+    pipe = preset_pipeline("ar", model, tokenizer, overrides={"model": {"compile": True}})
+    return pipe.generate([0, 1, 2, 3], 2, seed=0, ignore_eos=True).stats.compile_seconds
+
+
 def compare_presets(
     model,
     tokenizer,
@@ -97,22 +125,32 @@ def compare_presets(
     seeds: list[int],
     greedy: bool = False,
     heads: str = "auto",
+    compile: str = "off",
     progress: Callable[[str, int], None] | None = None,
 ) -> dict:
     """Every preset (``ar`` first, the reference) in turns with the others, once per
-    seed; returns a JSON-ready report with each preset's decode tokens/s summed over
-    the seeds and its ratio to ``ar``."""
-    names = ["ar", *[p for p in presets if p != "ar"]]
+    seed, eager and/or compiled (``compile``: a key of :data:`COMPILE_MODES`); returns a JSON-ready
+    report with each one's decode tokens/s summed over the seeds and its ratio to the
+    first (``ar``, eager unless ``compile`` is on), and what compiling took."""
+    variants = variant_names(presets, compile)
+    compile_seconds = compile_model_once(model, tokenizer) if compile != "off" else None
     overrides = {"sampling": {"greedy": True}} if greedy else {}
-    totals = {name: {"tokens": 0, "seconds": 0.0, "steps_tokens": []} for name in names}
+    totals = {name: {"tokens": 0, "seconds": 0.0, "steps_tokens": []} for name in variants}
     per_seed = []
+    reference = next(iter(variants))
+    prefilled = None
     for seed in seeds:
-        pipes = {name: preset_pipeline(name, model, tokenizer, heads=heads, overrides=overrides) for name in names}
-        results = run_interleaved(pipes, prompt, new_tokens, seed=seed, progress=progress)
+        pipes = {
+            label: preset_pipeline(name, model, tokenizer, heads=heads, overrides={**overrides, "model": {"compile": choice}})
+            for label, (name, choice) in variants.items()
+        }
+        if prefilled is None:  # one prefill of the prompt, copied into every run
+            prefilled = prefill_once(pipes, prompt, len(prompt) + new_tokens + max(p.max_tree_nodes() for p in pipes.values()))
+        results = run_interleaved(pipes, prompt, new_tokens, seed=seed, progress=progress, prefilled=prefilled)
         per_seed.append({
             "seed": seed,
-            **{name: {**attrs.asdict(r, filter=lambda a, _: a.name != "tokens"), "ratio_to_ar": round(r.ratio_to(results["ar"]), 3),
-                      "same_tokens_as_ar": r.tokens == results["ar"].tokens} for name, r in results.items()},
+            **{name: {**attrs.asdict(r, filter=lambda a, _: a.name != "tokens"), "ratio_to_ar": round(r.ratio_to(results[reference]), 3),
+                      "same_tokens_as_ar": r.tokens == results[reference].tokens} for name, r in results.items()},
         })
         for name, r in results.items():
             totals[name]["tokens"] += r.new_tokens
@@ -122,16 +160,17 @@ def compare_presets(
     summary = {
         name: {
             "tokens_per_second": round(speed[name], 3),
-            "ratio_to_ar": round(speed[name] / speed["ar"], 3) if speed["ar"] else None,
+            "ratio_to_ar": round(speed[name] / speed[reference], 3) if speed[reference] else None,
             "tokens_per_step": round(sum(t["steps_tokens"]) / len(t["steps_tokens"]), 3),
         }
         for name, t in totals.items()
     }
-    return {"summary": summary, "per_seed": per_seed}
+    return {"summary": summary, "per_seed": per_seed, "reference": reference, "compile_seconds": compile_seconds}
 
 
 def markdown(report: dict) -> str:
-    lines = ["| preset | decode tok/s | vs ar | tok/step | verified / proposed nodes per step | predicted / realised tok/step |",
+    reference = report.get("reference", "ar")
+    lines = [f"| preset | decode tok/s | vs {reference} | tok/step | verified / proposed nodes per step | predicted / realised tok/step |",
              "|---|---|---|---|---|---|"]
     for name, row in report["summary"].items():
         decisions = [seed[name]["decisions"] for seed in report["per_seed"]]
@@ -142,4 +181,11 @@ def markdown(report: dict) -> str:
         guess = f"{sum(predicted) / len(predicted):.3f} / {sum(realised) / len(realised):.3f}" if predicted else "– (fixed trees)"
         lines.append(f"| {name} | {row['tokens_per_second']} | {row['ratio_to_ar']} | {row['tokens_per_step']} | "
                      f"{verified:.2f} / {proposed:.2f} | {guess} |")
-    return "\n".join(lines) + "\n"
+    notes = []
+    if report.get("compile_seconds") is not None:
+        notes.append(f"Compiling the one-token forward took {report['compile_seconds']:.1f} s (once per process, before the timed turns).")
+    if report.get("roofline") is not None:
+        roof = report["roofline"]
+        notes.append(f"`{reference}`: {roof['ms_per_token']:.1f} ms per token; the memory floor (weights + KV over "
+                     f"{roof['bandwidth_gb_s']} GB/s) is {roof['floor_ms']:.1f} ms ({roof['fraction']:.0%} of it reached).")
+    return "\n".join(lines) + "\n" + "".join(f"\n{note}\n" for note in notes)

@@ -1,0 +1,159 @@
+"""Compiled one-token forwards (``[model] compile``): the same results as eager ones, on
+every view; the same tokens in whole runs; a clear fallback where compiling fails.
+
+Each tiny model compiles once per process (~15 s on a 2-core CPU without a warm
+inductor cache), so these tests share the cached tiny models of ``tiny_model_for``.
+"""
+
+import logging
+
+import pytest
+import torch
+
+from tokenswift import Pipeline
+from tokenswift.errors import SpecError
+from tokenswift.model import compiled as compiled_module
+from tokenswift.model.compiled import CompiledForward
+from tokenswift.model.kv import CompactView, FullView, IndexView
+from tokenswift.model.runner import Runner
+from tokenswift.spec import ModelSpec
+from tokenswift.testing import assert_lossless, tiny_model_for
+
+pytestmark = pytest.mark.skipif(
+    compiled_module.compiler_problem(torch.device("cpu")) is not None, reason="no C++ compiler for inductor"
+)
+
+PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
+
+
+def one_token_forwards(runner: Runner, tokens: list[int], view_of=None, record=False):
+    """Forward ``tokens`` one at a time after a prefill of PROMPT, committing each;
+    ``view_of(runner)`` gives a drafting view for an extra forward before each commit.
+    Returns (logits of every verify forward [n, vocab], extra outputs, the KV of the
+    committed positions)."""
+    runner.allocate(64)
+    runner.prefill(torch.tensor(PROMPT))
+    logits, extras = [], []
+    for token in tokens:
+        if view_of is not None:
+            out = runner.forward(torch.tensor([token]), view=view_of(runner), record_attention=record)
+            extras.append((out.logits, out.attention))
+        logits.append(runner.forward(torch.tensor([token])).logits)
+        runner.commit([0])
+    length = runner.committed_length
+    kv = [k[:, :, :length].clone() for k in runner.store.keys]
+    return torch.cat(logits), extras, kv
+
+
+def compare(name, dtype, view_of=None, record=False):
+    model = tiny_model_for(name, dtype)
+    results = {}
+    for on in (False, True):
+        runner = Runner(model)
+        runner.use_compiled(on)
+        results[on] = one_token_forwards(runner, [3, 1, 4, 1, 5, 9], view_of, record)
+    # float64 too: the model's own code takes float32 detours (RMSNorm, the rotary
+    # angles), which eager rounds and fused code need not.
+    tolerance = {"float32": 1e-4, "float64": 1e-5}[dtype]
+    eager, compiled = results[False], results[True]
+    torch.testing.assert_close(compiled[0], eager[0], rtol=tolerance, atol=tolerance)
+    for (eager_logits, eager_attention), (compiled_logits, compiled_attention) in zip(eager[1], compiled[1]):
+        torch.testing.assert_close(compiled_logits, eager_logits, rtol=tolerance, atol=tolerance)
+        if record:
+            assert compiled_attention.keys() == eager_attention.keys()
+            for layer in eager_attention:
+                torch.testing.assert_close(compiled_attention[layer], eager_attention[layer], rtol=tolerance, atol=tolerance)
+    for compiled_kv, eager_kv in zip(compiled[2], eager[2]):
+        torch.testing.assert_close(compiled_kv, eager_kv, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2", "llama-mha"])
+def test_compiled_one_token_forwards_equal_eager_ones(name):
+    """Several models compiled in one process: each keeps its own graphs."""
+    compare(name, "float32")
+
+
+def test_compiled_forwards_over_drafting_views_equal_eager_ones():
+    def compact(runner):
+        view = CompactView(runner.store, capacity=8)
+        view.load(runner.store, torch.tensor([0, 1, 2, runner.committed_length - 1]))
+        return view
+
+    compare("llama-gqa", "float32", view_of=lambda runner: FullView(runner.store))
+    compare("llama-gqa", "float32", view_of=lambda runner: IndexView(torch.tensor([0, 2, runner.committed_length - 1])))
+    compare("llama-gqa", "float32", view_of=compact, record=True)
+
+
+def test_compiled_float64_forwards_equal_eager_ones():
+    compare("llama-gqa", "float64")
+
+
+@pytest.mark.parametrize("preset", ["ar", "tokenswift", "eagle"])
+def test_compiled_runs_emit_what_eager_runs_emit(preset):
+    """Same seed, float32: the same tokens with compile on and off; the stats say which."""
+    model = tiny_model_for("llama-gqa", "float32")
+    drafter = {"eagle": {"weights": "random"}, "tokenswift": {"heads": "random"}}.get(preset, {})
+    results = {}
+    for on in (False, True):
+        overrides = {"model": {"compile": on}, **({"drafter": drafter} if drafter else {})}
+        results[on] = Pipeline.from_spec(preset, model, overrides=overrides).generate([5, 6, 7, 8] * 4, 32, seed=3, ignore_eos=True)
+    assert results[True].tokens == results[False].tokens
+    assert results[True].stats.compiled and not results[False].stats.compiled
+
+
+@pytest.mark.parametrize("preset", ["ar", "tokenswift"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_compiled_presets_are_lossless(preset, dtype):
+    overrides = {"model": {"compile": True}, "sampling": {"temperature": 0.8, "top_p": 0.9}}
+    if preset == "tokenswift":
+        overrides["cache"] = {"name": "dynamic", "budget": 14, "sink": 2, "recent": 4}
+    pipe = Pipeline.from_spec(preset, tiny_model_for("llama-gqa", dtype), overrides=overrides)
+    result = assert_lossless(pipe, [5, 6, 7, 8] * 6, 40, seed=1)
+    assert result.stats.compiled
+
+
+def test_auto_leaves_test_models_eager():
+    result = Pipeline.from_spec("ar", tiny_model_for("llama-gqa", "float32")).generate([1, 2, 3], 4, seed=0)
+    assert not result.stats.compiled and result.stats.compile_seconds == 0.0
+
+
+def test_a_machine_without_a_compiler_decodes_eagerly_with_one_warning(monkeypatch, caplog):
+    monkeypatch.setattr(compiled_module, "compiler_problem", lambda device: "no C++ compiler (test)")
+    monkeypatch.setattr(compiled_module, "_COMPILED", type(compiled_module._COMPILED)())
+    model = tiny_model_for("llama-gqa", "float32")
+    eager = Pipeline.from_spec("ar", model, overrides={"model": {"compile": False}}).generate([1, 2, 3], 8, seed=0)
+    with caplog.at_level(logging.WARNING, logger="tokenswift"):
+        result = Pipeline.from_spec("ar", model, overrides={"model": {"compile": True}}).generate([1, 2, 3], 8, seed=0)
+    assert result.tokens == eager.tokens and not result.stats.compiled
+    warnings = [r.getMessage() for r in caplog.records if "compile" in r.getMessage()]
+    assert len(warnings) == 1 and "no C++ compiler (test)" in warnings[0]
+
+
+def test_a_failing_compile_falls_back_to_eager_at_the_first_forward(monkeypatch, caplog):
+    model = tiny_model_for("qwen2", "float32")
+    eager = Pipeline.from_spec("ar", model, overrides={"model": {"compile": False}}).generate([1, 2, 3], 8, seed=0)
+    broken = CompiledForward(model, model.get_decoder(), model.get_output_embeddings(), torch.float32)
+
+    def fail(*args):
+        raise RuntimeError("inductor exploded (test)")
+
+    broken._graphs = {"forward": fail, "logits": fail}
+    monkeypatch.setitem(compiled_module._COMPILED, model, broken)
+    with caplog.at_level(logging.WARNING, logger="tokenswift"):
+        result = Pipeline.from_spec("ar", model, overrides={"model": {"compile": True}}).generate([1, 2, 3], 8, seed=0)
+    assert result.tokens == eager.tokens
+    warnings = [r.getMessage() for r in caplog.records if "eagerly" in r.getMessage()]
+    assert len(warnings) == 1 and "inductor exploded (test)" in warnings[0]
+
+
+def test_compile_option_values():
+    assert ModelSpec(path="x").compile == "auto"
+    assert ModelSpec(path="x", compile="true").compile is True
+    assert ModelSpec(path="x", compile=False).compile is False
+    assert ModelSpec(compile=True).compile_only  # a model object passed in, only the choice
+    with pytest.raises(SpecError, match=r"model.compile must be \"auto\", true or false, got 'sometimes'"):
+        ModelSpec(path="x", compile="sometimes")
+    with pytest.raises(SpecError, match="exactly one of"):
+        ModelSpec(dtype="float32", compile=True)
+    with pytest.raises(SpecError, match="no model"):
+        Pipeline.from_spec({"preset": "ar", "model": {"compile": True}})

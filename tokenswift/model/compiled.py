@@ -1,0 +1,210 @@
+"""Compiled one-token forwards: the same model, without eager PyTorch's cost per operator.
+
+A one-token forward of SmolLM2-135M in eager PyTorch runs ~1,000 operators, and on a
+2-core CPU their fixed costs (Python in transformers, dispatch, small kernels) take about
+as long as streaming the weights. :class:`CompiledForward` traces the decoder once with
+``torch.compile`` (inductor: fused C++ loops on a CPU, Triton on CUDA) for one new
+token, with static shapes:
+
+* the KV store stays outside the graph: each layer's attention is the opaque operator
+  ``tokenswift::attend`` (:mod:`tokenswift.model.attention`), which writes the new
+  keys/values where the forward's view says and attends in eager code. So the graph
+  depends on nothing but the token count, every cache policy's view and the attention
+  recorder work unchanged, and the context length never recompiles anything;
+* on a CPU, every one-row linear product is traced as a multiply-and-sum in float32
+  (:class:`OneRowProducts`): inductor fuses it into one pass over the weight at memory
+  speed, where the BLAS kernel for one row of bfloat16 is compute-bound on CPUs without
+  native bfloat16 (measured on a 2-core AMD EPYC, all 211 products of a step: 12.6 ms
+  against 18.8 ms);
+* the LM head's row is compiled likewise (:meth:`CompiledForward.logits`).
+
+The compiled graph computes the same function in another order of operations, so its
+results differ from eager ones by rounding (float32: ~1e-6 relative), never more.
+Forwards of several tokens (trees, prompt chunks) stay eager. Whether compiling pays is
+the calibration's call (:mod:`tokenswift.costs`) with ``compile = "auto"``; compiling
+takes ~40-60 s the first time on such a CPU and less once inductor's cache (kept under
+``$TOKENSWIFT_CACHE/inductor``) holds the kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import shutil
+import time
+import types
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from tokenswift.model.hf_cache import EXTERNAL_KV_KWARG
+from tokenswift.paths import cache_dir
+
+logger = logging.getLogger(__name__)
+
+
+# compile = "auto" leaves smaller models eager: they are test models, and compiling
+# takes longer than anything they run.
+AUTO_MIN_PARAMETERS = 20_000_000
+# ... and measures compiled against eager steps (compiling first: up to two minutes on a
+# 2-core CPU) only for a run this long, which such a measurement can repay.
+AUTO_CALIBRATE_MIN_TOKENS = 8192
+
+
+class CompileUnavailable(RuntimeError):
+    """torch.compile cannot run here (no C++ compiler, an unsupported model, ...)."""
+
+
+class OneRowProducts(TorchFunctionMode):
+    """While tracing: ``F.linear`` of a single row as ``(x * W).sum(-1)`` accumulated in
+    float32 (float64 for float64 models), cast back to the input's dtype as the product
+    would be. Other linears are left alone."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x = args[0]
+            weight = args[1] if len(args) > 1 else kwargs["weight"]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if x.dim() >= 1 and x.numel() == x.shape[-1]:
+                wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+                out = (x.reshape(1, -1).to(wide) * weight.to(wide)).sum(-1)  # [out_features]
+                if bias is not None:
+                    out = out + bias.to(wide)
+                return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+        return func(*args, **kwargs)
+
+
+def compiler_problem(device: torch.device) -> str | None:
+    """Why torch.compile cannot run on ``device`` here (None: it can)."""
+    if device.type == "cpu":
+        compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+        if compiler is None:
+            return "no C++ compiler (g++, c++ or clang++) on PATH; inductor needs one for CPU code"
+        return None
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "triton is not installed; inductor needs it for CUDA code"
+        return None
+    return f"compiled forwards are not supported on {device.type}"
+
+
+def use_inductor_cache() -> None:
+    """Keep inductor's compiled kernels under ``$TOKENSWIFT_CACHE/inductor`` (unless the
+    user chose a place with ``TORCHINDUCTOR_CACHE_DIR``), so later processes reuse them."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+
+
+class CompiledForward:
+    """The compiled one-token forward and LM-head row of one model (shared by every
+    runner of the model: :meth:`for_model`). Compiles on first call."""
+
+    def __init__(self, model: torch.nn.Module, decoder: torch.nn.Module, lm_head: torch.nn.Module, logits_dtype: torch.dtype) -> None:
+        device = next(model.parameters()).device
+        problem = compiler_problem(device)
+        if problem is not None:
+            raise CompileUnavailable(problem)
+        use_inductor_cache()
+        one_row = device.type == "cpu"
+        mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
+
+        def forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            # input_ids, positions: [1, 1] long -> [1, hidden_size] final-norm hidden state
+            with OneRowProducts() if one_row else contextlib.nullcontext():
+                out = decoder(
+                    input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=False,
+                    **{EXTERNAL_KV_KWARG: True},
+                )
+            return out.last_hidden_state[0]
+
+        def logits(hidden: torch.Tensor) -> torch.Tensor:
+            # hidden: [1, hidden_size] -> [1, vocab] in logits_dtype
+            with OneRowProducts() if one_row else contextlib.nullcontext():
+                return lm_head(hidden).to(logits_dtype)
+
+        options = {
+            # The model's modules and parameters are fixed for the life of this object
+            # (whose functions are its own: see _own_code), so checking them on every
+            # call, ~1 ms a step on a small CPU, is skipped.
+            "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+            # A C++ wrapper calls the ~500 kernels of a step without Python in between.
+            "cpp_wrapper": device.type == "cpu",
+            # Round where the model's code rounds (e.g. RMSNorm's float32 detour of a
+            # float64 model), so compiled results stay as close to eager ones as fusion allows.
+            "emulate_precision_casts": True,
+        }
+        self._graphs = {
+            "forward": torch.compile(_own_code(forward), dynamic=False, fullgraph=True, options=options),
+            "logits": torch.compile(_own_code(logits), dynamic=False, fullgraph=True, options=options),
+        }
+        self._ready: set[str] = set()
+        self.compile_seconds = 0.0  # what compiling both graphs took (first calls)
+        self.failure: CompileUnavailable | None = None  # why compiling failed, once it has
+        self.device = device
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, decoder, lm_head, logits_dtype) -> CompiledForward:
+        compiled = _COMPILED.get(model)
+        if compiled is None:
+            compiled = _COMPILED[model] = cls(model, decoder, lm_head, logits_dtype)
+        return compiled
+
+    @classmethod
+    def ready_for(cls, model: torch.nn.Module) -> bool:
+        """``model``'s graphs are compiled in this process already."""
+        compiled = _COMPILED.get(model)
+        return compiled is not None and compiled.compiled
+
+    @property
+    def compiled(self) -> bool:
+        """Both graphs have been compiled."""
+        return len(self._ready) == len(self._graphs)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [1, 1] long; the caller makes the plan active
+        (:func:`tokenswift.model.attention.attending`). Returns [1, hidden_size]."""
+        return self._call("forward", input_ids, positions)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [1, hidden_size] final-norm state -> [1, vocab] logits."""
+        return self._call("logits", hidden)
+
+    def _call(self, name: str, *args) -> torch.Tensor:
+        graph = self._graphs[name]
+        if name in self._ready:
+            return graph(*args)
+        if self.failure is not None:
+            raise self.failure
+        logger.info("compiling the one-token %s (torch.compile; up to a minute the first time on a small CPU)", name)
+        started = time.perf_counter()
+        try:
+            out = graph(*args)
+        except Exception as exc:  # inductor fails in many ways; each means "no compiled path here"
+            first_line = str(exc).splitlines()[0] if str(exc) else ""
+            self.failure = CompileUnavailable(f"torch.compile failed: {type(exc).__name__}: {first_line}")
+            raise self.failure from exc
+        seconds = time.perf_counter() - started
+        self.compile_seconds += seconds
+        self._ready.add(name)
+        logger.info("compiled the one-token %s in %.1f s", name, seconds)
+        return out
+
+
+_copies = itertools.count()
+
+
+def _own_code(fn):
+    """``fn`` with a code object of its own. Dynamo keeps compiled graphs per code
+    object and, with the module guards skipped, would hand one model's graph to another
+    model's closure of the same function."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_copies)}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> CompiledForward
