@@ -135,9 +135,6 @@ class CompiledForward:
             "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
             # A C++ wrapper calls the ~500 kernels of a step without Python in between.
             "cpp_wrapper": device.type == "cpu",
-            # Round where the model's code rounds (e.g. RMSNorm's float32 detour of a
-            # float64 model), so compiled results stay as close to eager ones as fusion allows.
-            "emulate_precision_casts": True,
         }
         self._graphs = {
             "forward": torch.compile(_own_code(forward), dynamic=False, fullgraph=True, options=options),
