@@ -5,6 +5,7 @@ Each tiny model compiles once per process (~15 s on a 2-core CPU without a warm
 inductor cache), so these tests share the cached tiny models of ``tiny_model_for``.
 """
 
+import json
 import logging
 
 import pytest
@@ -157,3 +158,36 @@ def test_compile_option_values():
         ModelSpec(dtype="float32", compile=True)
     with pytest.raises(SpecError, match="no model"):
         Pipeline.from_spec({"preset": "ar", "model": {"compile": True}})
+
+
+def test_bench_compares_eager_compiled_and_auto_with_the_compile_time(model_dir, tmp_path, capsys):
+    from tokenswift.cli import main
+
+    out_dir = tmp_path / "compiled"
+    code = main([
+        "bench", "--interleaved", "--model", str(model_dir), "--dtype", "float32", "--methods", "tokenswift",
+        "--heads", "random", "--prompt-tokens", "12", "--new-tokens", "16", "--seeds", "0", "--compile", "all",
+        "--out", str(out_dir),
+    ])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    report = json.loads((out_dir / "interleaved.json").read_text())
+    assert list(report["summary"]) == ["ar", "ar+compiled", "ar+auto", "tokenswift", "tokenswift+compiled", "tokenswift+auto"]
+    assert all(report["per_seed"][0][name]["same_tokens_as_ar"] for name in report["summary"])  # float32: identical
+    assert report["compile_seconds"] > 0 and report["config"]["compile"] == "all"
+    assert set(report["roofline"]["ar"]) == {"ar", "ar+compiled", "ar+auto"} and report["roofline"]["bandwidth_gb_s"] > 0
+    assert "Compiling the one-token forward took" in out and "the memory floor" in out
+
+
+def test_calibrate_compares_compiled_and_eager_steps(model_dir, tmp_path, monkeypatch, capsys):
+    from tokenswift.cli import main
+
+    monkeypatch.setenv("TOKENSWIFT_CACHE", str(tmp_path))
+    code = main(["calibrate", "--model", str(model_dir), "--dtype", "float32", "--compile"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "one-token step (forward + LM-head row), ms, eager vs compiled:" in out and "context 256: eager" in out
+    assert len(list((tmp_path / "calibration").glob("*-compile.json"))) == 1
+    code = main(["calibrate", "--model", str(model_dir), "--dtype", "float32", "--compile", "--show"])
+    shown, _ = capsys.readouterr()
+    assert code == 0 and shown == out

@@ -186,6 +186,7 @@ def markdown(report: dict) -> str:
         notes.append(f"Compiling the one-token forward took {report['compile_seconds']:.1f} s (once per process, before the timed turns).")
     if report.get("roofline") is not None:
         roof = report["roofline"]
-        notes.append(f"`{reference}`: {roof['ms_per_token']:.1f} ms per token; the memory floor (weights + KV over "
-                     f"{roof['bandwidth_gb_s']} GB/s) is {roof['floor_ms']:.1f} ms ({roof['fraction']:.0%} of it reached).")
+        speeds = ", ".join(f"`{name}` {row['ms_per_token']:.1f} ms ({row['fraction']:.0%} of the floor)" for name, row in roof["ar"].items())
+        notes.append(f"Per token: {speeds}; the memory floor (weights + mean context's KV over "
+                     f"{roof['bandwidth_gb_s']} GB/s) is {roof['floor_ms']:.1f} ms.")
     return "\n".join(lines) + "\n" + "".join(f"\n{note}\n" for note in notes)
