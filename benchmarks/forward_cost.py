@@ -1,7 +1,7 @@
 """Cost of one runner forward vs tree size and context length (and of a drafting
 forward over a partial view), to size the default trees for a machine.
 
-    python benchmarks/forward_cost.py --contexts 512 2048 4096 8000 --nodes 1 4 8 16 32 64 101
+    python benchmarks/forward_cost.py --contexts 512 2048 4096 8000 --nodes 1 4 8 16 32 64 101 [--compile]
 
 Prints a markdown table of milliseconds per forward (median of --repeats).
 """
@@ -63,6 +63,8 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, nargs="+", default=[0, 3, 7, 15, 31, 63, 100])
     parser.add_argument("--view", type=int, default=1024, help="partial view size for the drafting forward")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--compile", action="store_true",
+                        help="one-token forwards (1 node, the drafting columns) through the compiled graphs (docs/compiled.md)")
     parser.add_argument("--no-prefill", action="store_true",
                         help="time over an occupied store instead of prefilling each context (same arithmetic, minutes less)")
     args = parser.parse_args()
@@ -70,8 +72,10 @@ def main() -> None:
     model, _ = load_model(ModelSpec(path=args.model, dtype=args.dtype, device=args.device))
     runner = Runner(model)
     runner.allocate(max(args.contexts) + max(args.nodes) + 2)
+    if args.compile:
+        runner.use_compiled(True)
     where = torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else f"cpu, threads={torch.get_num_threads()}"
-    print(f"{where} dtype={args.dtype}")
+    print(f"{where} dtype={args.dtype}" + (" compiled one-token forwards" if args.compile else ""))
     print("| context | " + " | ".join(f"{n + 1} nodes" for n in args.nodes) + f" | draft full | draft view {args.view} |")
     print("|---|" + "---|" * (len(args.nodes) + 2))
     for context in args.contexts:

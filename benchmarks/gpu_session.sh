@@ -6,8 +6,9 @@
 #   MODEL=/path/SmolLM2-135M-Instruct.Q4_1.gguf DATA=/path/pg_books.jsonl \
 #   WHEELS=dir-with-transformers-and-gguf-wheels OUT=results-dir bash benchmarks/gpu_session.sh
 #
-# Everything lands in $OUT (at most 8 files): session.log, forward_cost.md,
-# bench.json/.md/.png, heads.safetensors and training.json.
+# Everything lands in $OUT (at most 10 files): session.log, forward_cost.md,
+# forward_cost_compiled.md, interleaved.json/.md (eager vs compiled), bench.json/.md/.png,
+# heads.safetensors and training.json.
 set -u
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENSWIFT_CACHE=/tmp/tokenswift-cache
 DEVICE=${DEVICE:-cuda}
@@ -35,6 +36,16 @@ say "tests exit $?"
 say "bench --quick on cuda"
 timeout $(( $(left) < 200 ? $(left) : 200 )) python3 -m tokenswift bench --model "$MODEL" --device "$DEVICE" --quick --out "$OUT" >>"$LOG" 2>&1
 say "bench exit $?"
+
+say "compiled one-token forwards on cuda (issue 19: <= 5 ms at 2K)"
+timeout $(( $(left) < 60 ? $(left) : 60 )) python3 benchmarks/forward_cost.py --model "$MODEL" --device "$DEVICE" --compile \
+    --contexts 2048 32768 --nodes 0 15 --view 4096 --repeats 5 --no-prefill >"$OUT/forward_cost_compiled.md" 2>>"$LOG"
+say "compiled forward costs exit $?"
+
+say "ar and tokenswift, eager vs compiled, in turns on cuda"
+timeout $(( $(left) < 120 ? $(left) : 120 )) python3 -m tokenswift bench --interleaved --methods ar,tokenswift --compile both \
+    --model "$MODEL" --device "$DEVICE" --prompt-tokens 2048 --new-tokens 512 --seeds 0 --out "$OUT" >>"$LOG" 2>&1
+say "compiled bench exit $?"
 
 say "forward costs on cuda"
 timeout $(( $(left) < 50 ? $(left) : 50 )) python3 benchmarks/forward_cost.py --model "$MODEL" --device "$DEVICE" \
