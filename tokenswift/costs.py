@@ -295,13 +295,17 @@ def calibration_path(key: str) -> Path:
 
 def load_calibration(runner) -> Calibration | None:
     """The cached calibration for this machine and model shape, if any."""
-    path = calibration_path(calibration_key(runner))
+    return _read_cached(calibration_path(calibration_key(runner)), Calibration)
+
+
+def _read_cached(path: Path, kind):
+    """``kind.from_dict`` of the JSON at ``path``; None if there is none or it is unreadable."""
     try:
-        return Calibration.from_dict(json.loads(path.read_text()))
+        return kind.from_dict(json.loads(path.read_text()))
     except FileNotFoundError:
         return None
     except (OSError, ValueError, TypeError, KeyError) as exc:
-        logger.warning("ignoring an unreadable calibration %s (%s)", path, exc)
+        logger.warning("ignoring an unreadable cached %s %s (%s)", kind.__name__, path, exc)
         return None
 
 
@@ -478,14 +482,7 @@ def compile_calibration_path(key: str) -> Path:
 
 def load_compile_calibration(runner) -> CompileCalibration | None:
     """The cached comparison for this machine and model shape, if any."""
-    path = compile_calibration_path(calibration_key(runner))
-    try:
-        return CompileCalibration.from_dict(json.loads(path.read_text()))
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        logger.warning("ignoring an unreadable compile calibration %s (%s)", path, exc)
-        return None
+    return _read_cached(compile_calibration_path(calibration_key(runner)), CompileCalibration)
 
 
 def compile_calibration_for(runner) -> CompileCalibration:

@@ -19,11 +19,12 @@ token, with static shapes:
 * the LM head's row is compiled likewise (:meth:`CompiledForward.logits`).
 
 The compiled graph computes the same function in another order of operations, so its
-results differ from eager ones by rounding (float32: ~1e-6 relative), never more.
-Forwards of several tokens (trees, prompt chunks) stay eager. Whether compiling pays is
-the calibration's call (:mod:`tokenswift.costs`) with ``compile = "auto"``; compiling
-takes ~40-60 s the first time on such a CPU and less once inductor's cache (kept under
-``$TOKENSWIFT_CACHE/inductor``) holds the kernels.
+results differ from eager ones by rounding only (float32 logits within 1e-4 in the
+tests). Forwards of several tokens (trees, prompt chunks) stay eager. Whether
+compiling pays is the calibration's call (:mod:`tokenswift.costs`) with ``compile =
+"auto"``; compiling the demo model takes ~2 minutes the first time on the 2-core CPU
+and ~15 s once inductor's cache (kept under ``$TOKENSWIFT_CACHE/inductor``) holds the
+kernels. ``docs/compiled.md`` has the measurements.
 """
 
 from __future__ import annotations
@@ -178,7 +179,9 @@ class CompiledForward:
             return graph(*args)
         if self.failure is not None:
             raise self.failure
-        logger.info("compiling the one-token %s (torch.compile; up to a minute the first time on a small CPU)", name)
+        if not self._ready:  # said once: the wait is the first step's
+            logger.warning("compiling the one-token forward (once per process: seconds with inductor's cache warm, "
+                           "up to ~2 minutes cold on a small CPU)")
         started = time.perf_counter()
         try:
             out = graph(*args)
