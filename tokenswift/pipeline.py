@@ -22,7 +22,7 @@ import torch
 
 from tokenswift import distributed
 from tokenswift.checkpoint import Checkpoint
-from tokenswift.costs import CostModel, calibration_for, compile_calibration_for, load_compile_calibration
+from tokenswift.costs import CompileCalibration, CostModel, calibration_for, compile_calibration_for, load_compile_calibration
 from tokenswift.decoding import Generation
 from tokenswift.detok import IncrementalDecoder
 from tokenswift.errors import SpecError
@@ -244,32 +244,37 @@ class Pipeline:
         (compiling first costs up to two minutes on a small CPU). Never for models under
         :data:`~tokenswift.model.compiled.AUTO_MIN_PARAMETERS` (test models) or under torchrun."""
         choice, runner = self.compile_choice, self.runner
-        on = choice is True or (choice == "auto" and self._compile_pays(context, new_tokens))
+        calibration = load_compile_calibration(runner) if choice is not False else None
+        on = choice is True or (choice == "auto" and self._compile_pays(context, new_tokens, calibration))
         try:
             runner.use_compiled(on)
         except CompileUnavailable as exc:
             logger.warning("compile = %s, but compiled forwards are unavailable here, decoding eagerly: %s", choice, exc)
             runner.use_compiled(False)
         if self._costs is not None:
-            factor = self._compile_factor() if runner.compiled is not None else None
-            self._costs.one_token_factor = factor
+            if runner.compiled is not None and calibration is None:  # auto has just measured it
+                calibration = load_compile_calibration(runner)
+            compiled = runner.compiled is not None and calibration is not None
+            self._costs.one_token_factor = calibration.factor if compiled else None
         return runner.compiled is not None
 
-    def _compile_pays(self, context: int, new_tokens: int) -> bool:
+    def _compile_pays(self, context: int, new_tokens: int, calibration: CompileCalibration | None) -> bool:
+        """``compile = "auto"``'s decision; ``calibration``: the cached one, if any."""
         runner = self.runner
         if distributed.launched() or runner.tp_size != 1 or compiler_problem(runner.device) is not None:
             return False
         if sum(p.numel() for p in self.model.parameters()) < AUTO_MIN_PARAMETERS:
             return False
-        if load_compile_calibration(runner) is None and new_tokens < AUTO_CALIBRATE_MIN_TOKENS:
-            logger.info("compile = auto: eager (compiled forwards not yet measured on this machine; a run of %d+ "
-                        "tokens measures them, or `tokenswift calibrate --compile`)", AUTO_CALIBRATE_MIN_TOKENS)
-            return False
-        try:
-            calibration = compile_calibration_for(runner)
-        except CompileUnavailable as exc:
-            logger.warning("compile = auto: compiled forwards are unavailable here (%s)", exc)
-            return False
+        if calibration is None:
+            if new_tokens < AUTO_CALIBRATE_MIN_TOKENS:
+                logger.info("compile = auto: eager (compiled forwards not yet measured on this machine; a run of %d+ "
+                            "tokens measures them, or `tokenswift calibrate --compile`)", AUTO_CALIBRATE_MIN_TOKENS)
+                return False
+            try:
+                calibration = compile_calibration_for(runner)
+            except CompileUnavailable as exc:
+                logger.warning("compile = auto: compiled forwards are unavailable here (%s)", exc)
+                return False
         saving = calibration.saving_seconds(context) * new_tokens
         compiled = CompiledForward.ready_for(self.model)
         pays = saving > 0 and (compiled or saving > calibration.compile_seconds)
@@ -279,10 +284,6 @@ class Pipeline:
             "" if compiled else f", compiling costs ~{calibration.compile_seconds:.0f} s",
         )
         return pays
-
-    def _compile_factor(self):
-        calibration = load_compile_calibration(self.runner)
-        return None if calibration is None else calibration.factor
 
     def max_tree_nodes(self) -> int:
         return 1 + sum(component.max_tree_nodes for component in self.components)

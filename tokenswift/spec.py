@@ -224,15 +224,13 @@ def _device(value):
     return value
 
 
-COMPILE_CHOICES = ("auto", True, False)
-
-
 def _compile(value):
-    if isinstance(value, str) and value.lower() in ("true", "false", "auto"):
-        value = {"true": True, "false": False, "auto": "auto"}[value.lower()]
-    if value not in COMPILE_CHOICES or (value is not True and value is not False and value != "auto"):
-        raise SpecError(f"model.compile must be \"auto\", true or false, got {value!r}")
-    return value
+    """``"auto"``, True or False (also spelled as strings, as the CLI passes them)."""
+    if isinstance(value, str):
+        value = {"true": True, "false": False, "auto": "auto"}.get(value.lower(), value)
+    if value is True or value is False or value == "auto":
+        return value
+    raise SpecError(f"model.compile must be \"auto\", true or false, got {value!r}")
 
 
 @attrs.frozen(kw_only=True)

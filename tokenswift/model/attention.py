@@ -138,14 +138,19 @@ def splits_better(new_tokens: int, prefix: int) -> bool:
     return new_tokens >= SPLIT_FROM_TOKENS and prefix >= 4 * new_tokens
 
 
+def _record(plan: ForwardPlan, layer: int, query, key, scaling: float) -> None:
+    """Give the plan's recorder (if any) the last query's probabilities over ``key``."""
+    if plan.recorder is not None:
+        allowed = None if plan.dense else plan.full_mask()[0, 0, -1]
+        plan.recorder.record(layer, query, key, allowed, scaling)
+
+
 def plan_attention(layer: int, query, key, value, plan: ForwardPlan, scaling: float) -> torch.Tensor:
     """Attention of a runner forward as its ``plan`` says (batch 1, no dropout, no
     softcap): query [1, q_heads, n, D]; key/value [1, kv_heads, S + n, D], the view's
     positions then the new tokens'. Records the last query's probabilities if the plan
     has a recorder. Returns [1, n, q_heads, D]."""
-    if plan.recorder is not None:
-        allowed = None if plan.dense else plan.full_mask()[0, 0, -1]
-        plan.recorder.record(layer, query, key, allowed, scaling)
+    _record(plan, layer, query, key, scaling)
     if plan.dense:
         return grouped_attention(query, key, value, None, scaling)
     group = query.shape[1] // key.shape[1]
@@ -207,9 +212,7 @@ def tokenswift_attention(module, query, key, value, attention_mask, dropout=0.0,
         return torch.ops.tokenswift.attend(query, key, value, module.layer_idx, float(scaling)), None
     if plan is not None:
         if unsupported or query.shape[0] != 1:
-            if plan.recorder is not None:
-                allowed = None if plan.dense else plan.full_mask()[0, 0, -1]
-                plan.recorder.record(module.layer_idx, query, key, allowed, scaling)
+            _record(plan, module.layer_idx, query, key, scaling)
             mask = None if plan.dense else plan.full_mask()
             return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
         return plan_attention(module.layer_idx, query, key, value, plan, scaling), None
