@@ -34,10 +34,13 @@ def test_local_directory_with_tokenizer(tmp_path):
     assert direct.generate([1, 2, 3, 4, 1], 8, ignore_eos=True).tokens == result.tokens
 
 
-def test_auto_dtype_is_measured_once_for_this_machine_and_tiny_models_stay_float32(tmp_path, monkeypatch):
+def test_auto_dtype_is_measured_once_without_native_bfloat16_and_tiny_models_stay_float32(tmp_path, monkeypatch):
     from tokenswift.model import dtypes
 
     monkeypatch.setenv("TOKENSWIFT_CACHE", str(tmp_path))
+    # Pinned: a CPU without native bfloat16 (AVX2 only) measures; one with AMX-BF16 or
+    # AVX512-BF16 does not (the next test), whichever kind this machine is.
+    monkeypatch.setattr(dtypes, "native_bfloat16", lambda device: False)
     model = tiny_model_for("llama-mha", "float32")
     model.save_pretrained(tmp_path / "m")
     choice = dtypes.auto_dtype("cpu")
@@ -48,6 +51,16 @@ def test_auto_dtype_is_measured_once_for_this_machine_and_tiny_models_stay_float
     pipe = Pipeline.from_spec({"preset": "ar", "model": {"path": str(tmp_path / "m")}})  # dtype "auto" by default
     assert str(pipe.runner.dtype) == f"torch.{choice}"
     assert Pipeline.from_spec({"preset": "ar", "model": {"tiny": TINY_CONFIGS["llama-mha"]}}).runner.dtype == torch.float32
+
+
+def test_auto_dtype_is_bfloat16_without_measuring_where_bfloat16_is_native(tmp_path, monkeypatch):
+    from tokenswift.model import dtypes
+
+    monkeypatch.setenv("TOKENSWIFT_CACHE", str(tmp_path))
+    monkeypatch.setattr(dtypes, "native_bfloat16", lambda device: True)
+    monkeypatch.setattr(dtypes, "one_row_milliseconds", lambda dtype: pytest.fail("measured on a native-bfloat16 CPU"))
+    assert dtypes.auto_dtype("cpu") == "bfloat16"
+    assert not (tmp_path / "calibration" / "dtype.json").exists()
 
 
 def test_missing_path_names_it(tmp_path):
