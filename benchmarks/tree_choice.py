@@ -18,7 +18,9 @@ import argparse
 import json
 from pathlib import Path
 
-from tokenswift.costs import CostModel, calibration_key, load_calibration
+from tokenswift.calibration import load_calibration
+from tokenswift.costs import CostModel
+from tokenswift.records import machine_key
 from tokenswift.model.loading import load_model
 from tokenswift.model.runner import Runner
 from tokenswift.spec import ModelSpec
@@ -58,7 +60,7 @@ def main() -> None:
         runner = Runner(model)
         calibration = load_calibration(runner)
         if calibration is None:
-            raise SystemExit(f"no calibration for {args.model} {dtype} here (key {calibration_key(runner)}); "
+            raise SystemExit(f"no calibration for {args.model} {dtype} here (key {machine_key(runner)}); "
                              f"run: tokenswift calibrate --model {args.model} --dtype {dtype}")
         costs = CostModel(calibration)
         tracker = AcceptanceTracker(prior=1e9)  # the proposer's confidences taken at their word

@@ -93,7 +93,7 @@ def test_stats_and_stream():
     assert (stats.steps, stats.new_tokens, stats.prompt_tokens) == (25, 25, 12)
     assert stats.tokens_per_step == 1.0 and stats.acceptance_rate == 0.0
     assert stats.tokens_per_second > 0 and stats.seconds >= stats.prefill_seconds
-    assert set(stats.stage_seconds) == {"propose", "score", "verify", "commit"}
+    assert set(stats.stage_seconds) == {"propose", "forward", "verify", "commit"}
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True])

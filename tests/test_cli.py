@@ -70,6 +70,77 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, capsys, tmp_path):
     assert not list(tmp_path.iterdir()), "no output file may be left behind"
 
 
+def _help(capsys, command: str) -> str:
+    """``tokenswift COMMAND --help``, its lines rejoined (argparse wraps them)."""
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--help"])
+    assert exit_.value.code == 0
+    return " ".join(capsys.readouterr().out.split())
+
+
+def test_generate_help_says_which_dtypes_give_identical_tokens(capsys):
+    text = _help(capsys, "generate")
+    # The contract in words: float32/float64 token for token, bfloat16 in distribution only,
+    # for a seed against ar and for --resume against the uninterrupted run; and the way out.
+    assert "in float32 and float64 a speculative preset emits" in text and "exactly the tokens --preset ar emits" in text
+    assert "--resume continues exactly as the uninterrupted run" in text
+    assert "In bfloat16 (what --dtype auto picks" in text and "agree in distribution, not token for token" in text
+    assert "--dtype float32 for token-identical runs" in text
+    import argparse
+
+    from tokenswift.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    helps = {a.option_strings[-1]: a.help for a in sub.choices["generate"]._actions}
+    for flag in ("--dtype", "--seed", "--resume"):  # each flag's own help says it too
+        assert "float32" in helps[flag] and helps[flag] in text, flag
+
+
+def test_float32_runs_of_a_speculative_preset_and_ar_emit_the_same_tokens(model_dir, capsys):
+    """What ``generate --help`` promises for float32, through the command line."""
+    texts = {}
+    for preset in ("tokenswift", "ar"):
+        code, out, err = run(
+            capsys, "generate", "--preset", preset, "--model", str(model_dir), "--dtype", "float32", "--prompt",
+            "the cat sat on the mat", "--max-new-tokens", "40", "--seed", "7", "--ignore-eos", "--quiet",
+        )
+        assert code == 0, err
+        texts[preset] = out
+    assert len(texts["ar"].split()) == 40 and texts["tokenswift"] == texts["ar"]
+
+
+def test_the_training_flags_default_to_their_configs(capsys):
+    """One authority for the defaults: train-heads and train-drafter take theirs from the
+    config each fills, field by field."""
+    import attrs
+
+    from tokenswift.cli import build_parser
+    from tokenswift.tools.drafter_training import DrafterTrainConfig
+    from tokenswift.tools.training import TrainConfig
+
+    for command, config in (("train-heads", TrainConfig), ("train-drafter", DrafterTrainConfig)):
+        args = vars(build_parser().parse_args([command, "--data", "d.jsonl", "--out", "o"]))
+        fields = {field.name: field.default for field in attrs.fields(config)}
+        flags = fields.keys() & args.keys()
+        assert {"steps", "seq_len", "batch", "lr", "warmup", "seed", "checkpoint_every", "holdout"} <= flags, command
+        for name in flags:
+            expected = ",".join(fields[name]) if name == "holdout" else fields[name]
+            assert args[name] == expected, (command, name)
+    assert "training windows whose features are cached (default 512)" in _help(capsys, "train-drafter")
+
+
+def test_each_command_module_holds_its_arguments_and_its_handler():
+    from pathlib import Path
+
+    import tokenswift.commands
+    from tokenswift.cli import COMMANDS
+
+    modules = {p.stem for p in Path(tokenswift.commands.__file__).parent.glob("*.py")} - {"__init__"}
+    assert {module.__name__.rsplit(".", 1)[1] for module in COMMANDS.values()} == modules
+    for name, module in COMMANDS.items():
+        assert module.NAME == name and module.HELP and callable(module.add_arguments) and callable(module.run)
+
+
 def test_malformed_toml_is_one_line(tmp_path, capsys):
     spec = tmp_path / "bad.toml"
     spec.write_text("preset = \n")

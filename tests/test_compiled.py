@@ -12,11 +12,13 @@ import pytest
 import torch
 
 from tokenswift import Pipeline
+from tokenswift.compiling import CompileCalibration
 from tokenswift.errors import SpecError
 from tokenswift.model import compiled as compiled_module
 from tokenswift.model.compiled import CompiledForward
 from tokenswift.model.kv import CompactView, FullView, IndexView
 from tokenswift.model.runner import Runner
+from tokenswift.records import machine_key
 from tokenswift.spec import ModelSpec
 from tokenswift.testing import assert_lossless, tiny_model_for
 
@@ -145,6 +147,33 @@ def test_a_failing_compile_falls_back_to_eager_at_the_first_forward(monkeypatch,
     assert result.tokens == eager.tokens
     warnings = [r.getMessage() for r in caplog.records if "eagerly" in r.getMessage()]
     assert len(warnings) == 1 and "inductor exploded (test)" in warnings[0]
+
+
+def test_a_compile_failing_at_the_first_forward_leaves_the_cost_model_predicting_eager_steps(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOKENSWIFT_CACHE", str(tmp_path))
+    model = tiny_model_for("qwen2", "float32")
+    broken = CompiledForward(model, model.get_decoder(), model.get_output_embeddings(), torch.float32)
+
+    def fail(*args):
+        raise RuntimeError("inductor exploded (test)")
+
+    broken._graphs = {"forward": fail, "logits": fail}
+    monkeypatch.setitem(compiled_module._COMPILED, model, broken)
+    pipe = Pipeline.from_spec("ar", model, overrides={"model": {"compile": True}})
+    # A measured comparison on file: compiled one-token steps at half the eager cost.
+    CompileCalibration(
+        key=machine_key(pipe.runner), machine="test", contexts=(16, 256), eager_ms=(2.0, 4.0), compiled_ms=(1.0, 2.0),
+        compile_seconds=1.0,
+    ).save()
+    run = pipe.start([1, 2, 3], 8, seed=0)
+    costs = run.setup.speculator.costs
+    eager = costs.calibration.forward_seconds(1, 64)
+    assert run.setup.compiled and costs.forward_seconds(1, 64) == pytest.approx(0.5 * eager * costs.scale)
+    records = list(run.steps())
+    assert len(records) == 8 and pipe.runner.compiled is None and not run.compiled
+    assert costs.forward_seconds(1, 64) == pytest.approx(eager * costs.scale)  # eager again, as the forwards are
+    # ... and the next run does not try the failed compile again.
+    assert not pipe.generate([1, 2, 3], 4, seed=0).stats.compiled
 
 
 def test_compile_option_values():

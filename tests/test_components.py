@@ -164,13 +164,13 @@ def test_dynamic_view_adapts_to_short_prompts_then_refreshes_when_the_window_fil
     model = tiny_model_for("llama-gqa")
     pipe, state = prefilled(model, list(range(1, 11)))  # 9 committed < budget 12
     policy = pipe.cache_policy
-    assert policy.drafting_view(state) is None  # the whole context fits the budget
+    assert policy.update_view(state) is None  # the whole context fits the budget
     sizes, refreshes = [], []
     for step in range(12):
         pipe.runner.forward(torch.tensor([state.tokens[-1]]))
         pipe.runner.commit([0])
         state.tokens.append(step % 7)
-        view = policy.drafting_view(state)
+        view = policy.update_view(state)
         sizes.append(pipe.runner.store.length if view is None else view.size)
         refreshes.append(policy.refreshes)
     committed = [10 + i for i in range(12)]

@@ -8,7 +8,8 @@ import attrs
 import pytest
 
 from tokenswift import Pipeline, SpecError
-from tokenswift.costs import Calibration, CostModel, calibrate, calibration_for, load_calibration
+from tokenswift.calibration import Calibration, calibrate, calibration_for, load_calibration
+from tokenswift.costs import CostModel
 from tokenswift.speculation import AcceptanceTracker, DraftGate, PassChooser, choose
 from tokenswift.testing import assert_lossless, looping_model, tiny_model_for
 from tokenswift.tree import DRAFTER, RETRIEVER, Branch, DraftTree
@@ -108,7 +109,7 @@ def test_the_choice_keeps_parents_before_children():
     choice = choose(tree, tracker, CostModel(calibration(0.0)), 64, max_nodes=4)
     kept = tree.subtree(choice.keep)
     assert kept.tokens == [0, 1, 2, 3, 4] and kept.parents == [-1, 0, 1, 2, 0]
-    assert [kept.tokens[node] for node in choice.likely_path(tree)] == [1, 2, 3]
+    assert [tree.tokens[node] for node in choice.likely_path(tree)] == [1, 2, 3]  # candidate ids
 
 
 def test_gate_backs_off_while_proposing_does_not_pay_and_resumes_when_it_does():
@@ -159,8 +160,8 @@ def test_timings_change_the_trees_never_the_tokens(sampling):
     assert cheap.tokens == dear.tokens
     # nodes free: many verified, fewer steps; nodes ruinous: plain steps but for a few
     # explorations (a gated proposer's likeliest candidate, now and then)
-    assert cheap.stats.proposed_tokens > 40 and cheap.stats.steps < 40
-    assert dear.stats.proposed_tokens / dear.stats.steps < 0.5 and dear.stats.steps > cheap.stats.steps
+    assert cheap.stats.verified_tokens > 40 and cheap.stats.steps < 40
+    assert dear.stats.verified_tokens / dear.stats.steps < 0.5 and dear.stats.steps > cheap.stats.steps
 
 
 def test_auto_trees_are_lossless_and_report_their_decisions():
@@ -188,7 +189,7 @@ def test_fixed_trees_verify_every_candidate_with_a_pass_each_step():
     spec = {"preset": "tokenswift", "drafter": {"heads": "random", "tree": [2, 2]}, "retriever": {"name": "none"},
             "cache": {"name": "full"}, "speculation": {"tree": "fixed"}}
     records = list(Pipeline.from_spec(spec, tiny_model_for("llama-gqa")).steps([1, 2, 3], 12, seed=0))
-    assert all(r.tree_size == r.candidates == 6 and r.drafting_pass and r.predicted_tokens is None for r in records)
+    assert all(r.verified == r.candidates == 6 and r.drafting_pass and r.predicted_tokens is None for r in records)
 
 
 @pytest.mark.parametrize(

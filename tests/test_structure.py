@@ -24,17 +24,12 @@ def is_runtime(name: str) -> bool:
 
 
 def imported_modules(path: Path, modules: set[str]) -> set[str]:
-    """tokenswift modules ``path`` imports, anywhere in it (functions included), except
-    under ``if TYPE_CHECKING:``."""
+    """tokenswift modules ``path`` imports, anywhere in it: functions and ``if
+    TYPE_CHECKING:`` blocks included (an import for annotations alone is a dependency
+    too, and hides a circle as well as any other)."""
     tree = ast.parse(path.read_text())
-    skipped = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.dump(node.test):
-            skipped.update(id(child) for stmt in node.body for child in ast.walk(stmt))
     found = set()
     for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -95,3 +90,19 @@ print(json.dumps(sorted(m for m in sys.modules if m.startswith(("tokenswift.tool
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+
+
+def test_a_generation_decodes_with_what_start_prepared_and_never_reaches_back():
+    from tokenswift import Pipeline
+    from tokenswift.decoding import DecodingSetup
+    from tokenswift.testing import TINY_CONFIGS
+
+    assert "tokenswift.pipeline" not in import_graph()["tokenswift.decoding"]
+    pipe = Pipeline.from_spec({"preset": "tokenswift", "drafter": {"heads": "random"}, "cache": {"budget": 24, "sink": 2},
+                               "model": {"tiny": TINY_CONFIGS["llama-gqa"]}, "speculation": {"tree": "fixed"}})
+    run = pipe.start([1, 2, 3, 4], 12, seed=0, ignore_eos=True)
+    # Prepared before any step: the KV store sized for the run, the policy chosen.
+    assert pipe.runner.store.capacity == pipe.kv_capacity(4, 12) and pipe.runner.committed_length == 0
+    assert isinstance(run.setup, DecodingSetup) and run.setup.speculator.costs is None  # fixed trees: no costs
+    assert not any(value is pipe for value in vars(run).values())
+    assert len(list(run.steps())) > 0

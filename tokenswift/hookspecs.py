@@ -6,14 +6,10 @@ Implement them in a plugin module or class decorated with
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import pluggy
 
-if TYPE_CHECKING:
-    from tokenswift.pipeline import GenerationResult, Pipeline, StepRecord
-    from tokenswift.registry import Registrar
-
+# The hooks' argument types are named, not imported: the pipeline and the registry
+# import this module, so importing them back would make a circle.
 hookspec = pluggy.HookspecMarker("tokenswift")
 
 
@@ -21,7 +17,7 @@ hookspec = pluggy.HookspecMarker("tokenswift")
 
 
 @hookspec
-def tokenswift_register_components(registrar: Registrar) -> None:
+def tokenswift_register_components(registrar: tokenswift.registry.Registrar) -> None:
     """Add components and presets.
 
     Called once for each plugin when a registry is built (every built-in component is
@@ -36,15 +32,15 @@ def tokenswift_register_components(registrar: Registrar) -> None:
 
 
 @hookspec
-def tokenswift_generation_start(pipeline: Pipeline, prompt_ids: list[int], max_new_tokens: int) -> None:
+def tokenswift_generation_start(pipeline: tokenswift.Pipeline, prompt_ids: list[int], max_new_tokens: int) -> None:
     """A generation starts (the prompt is tokenized, nothing is computed yet)."""
 
 
 @hookspec
-def tokenswift_step_end(pipeline: Pipeline, step: StepRecord) -> None:
+def tokenswift_step_end(pipeline: tokenswift.Pipeline, step: tokenswift.StepRecord) -> None:
     """One decoding step has been committed; ``step`` says what it proposed and emitted."""
 
 
 @hookspec
-def tokenswift_generation_end(pipeline: Pipeline, result: GenerationResult) -> None:
+def tokenswift_generation_end(pipeline: tokenswift.Pipeline, result: tokenswift.GenerationResult) -> None:
     """A generation ended (length, EOS, or an error that kept the text so far)."""

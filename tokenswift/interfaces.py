@@ -8,15 +8,16 @@
 
 Every component class has an ``Options`` attrs class (its validated options, with
 defaults) and is built as ``Component(options, context)``. What a component needs
-from a step it declares here (:attr:`Drafter.needs_root_pass`) or receives through its
-methods (:class:`DraftInputs`, :class:`StepOutcome`); the model it reaches only through
-``context.runner``. Components may change speed, never the output distribution: the
+from a step it receives through its methods (:class:`DraftInputs`, which also lets a
+drafter ask for a pass of the root over the drafting view, and :class:`StepOutcome`);
+the model it reaches only through ``context.runner``. Components may change speed, never the output distribution: the
 property tests in :mod:`tokenswift.testing` hold every one of them to that.
 """
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
 import attrs
@@ -73,20 +74,34 @@ class DecodeState:
 
 
 @attrs.frozen(kw_only=True, eq=False)
+class RootPass:
+    """A forward of the root (the last committed token) over the cache policy's
+    drafting view: ``output`` has logits [1, vocab] and hidden [1, hidden_size];
+    ``exact``: the view was the whole context, so its logits are the ones verification
+    will draw the root's token from."""
+
+    output: ForwardOutput
+    exact: bool
+
+
+def _no_root_pass() -> RootPass | None:
+    return None
+
+
+@attrs.frozen(kw_only=True, eq=False)
 class DraftInputs:
-    """What a drafter may draft from, without a forward of its own.
+    """What a drafter may draft from.
 
     parent_hidden: [hidden_size], the final-norm hidden state of the position whose
     logits gave the root token (from the previous forward), or None.
-    root: a drafter with :attr:`Drafter.needs_root_pass` gets the root forwarded over
-    the cache policy's drafting view (logits [1, vocab] and hidden [1, hidden_size]);
-    root_exact says that view was the whole context, so the root's logits are the ones
-    verification will draw from.
+    root_pass: call it to ask for a :class:`RootPass` (at most one forward a step,
+    however often it is called): the cache policy's view is brought up to date, and the
+    pass runs unless the speculation policy judges it does not pay this step (then it
+    returns None; with fixed trees it always runs).
     """
 
     parent_hidden: torch.Tensor | None = None
-    root: ForwardOutput | None = None
-    root_exact: bool = False
+    root_pass: Callable[[], RootPass | None] = _no_root_pass
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -138,10 +153,6 @@ class Component(abc.ABC):
 
 
 class Drafter(Component):
-    #: True: the pipeline forwards the root over the cache policy's drafting view
-    #: before :meth:`propose` and passes the result as ``inputs.root``.
-    needs_root_pass: ClassVar[bool] = False
-
     @property
     def prompt_features(self) -> int:
         """How many of the prompt's last positions' final-norm hidden states the drafter
@@ -168,8 +179,11 @@ class Retriever(Component):
 
 class CachePolicy(Component):
     @abc.abstractmethod
-    def drafting_view(self, state: DecodeState) -> KVView | None:
-        """The KV view a drafting pass attends over (None: the whole context)."""
+    def update_view(self, state: DecodeState) -> KVView | None:
+        """Bring the KV view a drafting pass attends over up to date with the committed
+        positions and return it (None: the whole context). Called once a step, before
+        the pass, by a drafter asking for one; keeping the view may cost forwards of its
+        own (a refresh)."""
 
     def view_positions(self, context_positions: int) -> int:
         """Positions of KV the policy keeps in buffers of its own, for a run of

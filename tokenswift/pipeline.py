@@ -1,6 +1,7 @@
 """The pipeline: a model, its five components, and generation.
 
-:meth:`Pipeline.start` validates a run and returns a
+:meth:`Pipeline.start` validates a run, prepares everything it decodes with (the
+machine's costs, the linear backend, the compile decision, the KV store) and returns a
 :class:`~tokenswift.decoding.Generation`, whose ``steps()`` is the decoding loop (see
 :mod:`tokenswift.decoding`); :meth:`Pipeline.generate` consumes those steps for the
 caller: streaming, checkpoints, plugin hooks and statistics. The design, with the
@@ -22,17 +23,19 @@ import torch
 
 from tokenswift import distributed
 from tokenswift.checkpoint import Checkpoint
-from tokenswift.costs import CompileCalibration, CostModel, calibration_for, compile_calibration_for, load_compile_calibration
-from tokenswift.decoding import Generation
+from tokenswift import compiling
+from tokenswift.calibration import calibration_for
+from tokenswift.costs import CostModel
+from tokenswift.decoding import DecodingSetup, Generation
 from tokenswift.detok import IncrementalDecoder
 from tokenswift.errors import SpecError
 from tokenswift.interfaces import BuildContext
 from tokenswift.memory import WORKING_SLACK, MemoryEstimate, available_bytes, gib
-from tokenswift.model.compiled import AUTO_CALIBRATE_MIN_TOKENS, AUTO_MIN_PARAMETERS, CompiledForward, CompileUnavailable, compiler_problem
 from tokenswift.model.loading import load_model
 from tokenswift.model.runner import Runner
 from tokenswift.registry import PluginManager, Registry, build_registry, get_plugin_manager
 from tokenswift.scoring import Scorer
+from tokenswift.speculation import AutoSpeculator, Speculator
 from tokenswift.spec import COMPONENT_KINDS, PipelineSpec, load_toml, merge_overrides
 from tokenswift.stats import GenerationStats, StatsCollector, StepRecord
 
@@ -194,7 +197,7 @@ class Pipeline:
     def estimate_memory(self, prompt_tokens: int, max_new_tokens: int) -> MemoryEstimate:
         """What a run of this size will allocate: KV store, drafting view, working set."""
         runner = self.runner
-        positions = prompt_tokens + max_new_tokens + self.max_tree_nodes()
+        positions = self.kv_capacity(prompt_tokens, max_new_tokens)
         reusable = runner.store is not None and runner.store.capacity >= positions
         view_positions = self.cache_policy.view_positions(positions)
         return MemoryEstimate(
@@ -217,76 +220,60 @@ class Pipeline:
                 f"available; lower max_new_tokens ({max_new_tokens}) or the cache budget"
             )
 
-    def costs(self) -> CostModel | None:
-        """This machine's costs for the model (measured on first use, then cached per
-        machine; see :mod:`tokenswift.costs`). None under torchrun, where every rank
-        must choose the same trees, so timings may not steer them."""
-        if distributed.launched():
-            return None
-        if self._costs is None:
-            self._costs = CostModel(calibration_for(self.runner, self.scorer))
-        return self._costs
-
-    @property
-    def compile_choice(self) -> str | bool:
-        """The spec's ``[model] compile``: "auto", True or False."""
-        return self.spec.model.compile if self.spec.model is not None else "auto"
-
-    def prepare_compiled(self, context: int, new_tokens: int) -> bool:
-        """Turn compiled one-token forwards on or off for a run of ``new_tokens`` tokens
-        ending near ``context`` positions, as ``[model] compile`` says; says which.
-
-        ``"auto"`` compiles where the compile calibration (measured once per machine and
-        model, :func:`~tokenswift.costs.compile_calibration_for`) says compiled steps are
-        faster at this context and the run saves more than compiling costs (nothing, once
-        this process has compiled the model). Until that comparison is cached, only runs of
-        :data:`~tokenswift.model.compiled.AUTO_CALIBRATE_MIN_TOKENS` tokens or more make it
-        (compiling first costs up to two minutes on a small CPU). Never for models under
-        :data:`~tokenswift.model.compiled.AUTO_MIN_PARAMETERS` (test models) or under torchrun."""
-        choice, runner = self.compile_choice, self.runner
-        calibration = load_compile_calibration(runner) if choice is not False else None
-        on = choice is True or (choice == "auto" and self._compile_pays(context, new_tokens, calibration))
-        try:
-            runner.use_compiled(on)
-        except CompileUnavailable as exc:
-            logger.warning("compile = %s, but compiled forwards are unavailable here, decoding eagerly: %s", choice, exc)
-            runner.use_compiled(False)
-        if self._costs is not None:
-            if runner.compiled is not None and calibration is None:  # auto has just measured it
-                calibration = load_compile_calibration(runner)
-            compiled = runner.compiled is not None and calibration is not None
-            self._costs.one_token_factor = calibration.factor if compiled else None
-        return runner.compiled is not None
-
-    def _compile_pays(self, context: int, new_tokens: int, calibration: CompileCalibration | None) -> bool:
-        """``compile = "auto"``'s decision; ``calibration``: the cached one, if any."""
-        runner = self.runner
-        if distributed.launched() or runner.tp_size != 1 or compiler_problem(runner.device) is not None:
-            return False
-        if sum(p.numel() for p in self.model.parameters()) < AUTO_MIN_PARAMETERS:
-            return False
-        if calibration is None:
-            if new_tokens < AUTO_CALIBRATE_MIN_TOKENS:
-                logger.info("compile = auto: eager (compiled forwards not yet measured on this machine; a run of %d+ "
-                            "tokens measures them, or `tokenswift calibrate --compile`)", AUTO_CALIBRATE_MIN_TOKENS)
-                return False
-            try:
-                calibration = compile_calibration_for(runner)
-            except CompileUnavailable as exc:
-                logger.warning("compile = auto: compiled forwards are unavailable here (%s)", exc)
-                return False
-        saving = calibration.saving_seconds(context) * new_tokens
-        compiled = CompiledForward.ready_for(self.model)
-        pays = saving > 0 and (compiled or saving > calibration.compile_seconds)
-        logger.info(
-            "compile = auto: compiled one-token steps %s at %d positions (%.1f s saved over %d tokens%s)",
-            "on" if pays else "off", context, saving, new_tokens,
-            "" if compiled else f", compiling costs ~{calibration.compile_seconds:.0f} s",
-        )
-        return pays
+    def kv_capacity(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        """KV positions a run needs: its whole context plus the largest tree's staging."""
+        return prompt_tokens + max_new_tokens + self.max_tree_nodes()
 
     def max_tree_nodes(self) -> int:
         return 1 + sum(component.max_tree_nodes for component in self.components)
+
+    def costs(self) -> CostModel | None:
+        """This machine's costs for the model (measured on first use, then cached per
+        machine; see :mod:`tokenswift.calibration`), with the runner's linear backend set
+        to the one they found faster. None under torchrun, where every rank must choose
+        the same trees, so timings may not steer them."""
+        if distributed.launched():
+            return None
+        if self._costs is None:
+            calibration = calibration_for(self.runner, self.scorer)
+            calibration.apply_linears(self.runner)
+            runner = self.runner
+            self._costs = CostModel(calibration, compiled=lambda: runner.compiled is not None)
+        return self._costs
+
+    def prepare(self, prompt_tokens: int, max_new_tokens: int, *, done_tokens: int = 0, ignore_eos: bool = False) -> DecodingSetup:
+        """Everything a run decodes with, prepared in the open: the costs (loaded, or
+        measured once per machine: 10-25 s), the linear backend they chose, the compile
+        decision (:mod:`tokenswift.compiling`) for the tokens still to generate (a
+        resumed run has ``done_tokens`` of them already), the speculation policy, and
+        the KV store sized for the run (last: measuring reallocates it)."""
+        speculation = self.spec.speculation
+        costs = self.costs() if speculation.tree == "auto" else None
+        choice = self.spec.model.compile if self.spec.model is not None else "auto"
+        decision = compiling.decide(
+            self.runner, choice, prompt_tokens=prompt_tokens + done_tokens, new_tokens=max_new_tokens - done_tokens
+        )
+        if costs is not None:
+            costs.use_compile_calibration(decision.calibration)
+        self.runner.allocate(self.kv_capacity(prompt_tokens, max_new_tokens))
+        return self._setup(AutoSpeculator(costs, speculation.max_nodes) if costs is not None else Speculator(),
+                           ignore_eos=ignore_eos, compiled=decision.compiled)
+
+    def _setup(self, speculator: Speculator, *, ignore_eos: bool, compiled: bool = False) -> DecodingSetup:
+        return DecodingSetup(
+            runner=self.runner,
+            drafter=self.drafter,
+            retriever=self.retriever,
+            cache_policy=self.cache_policy,
+            verifier=self.verifier,
+            components=self.components,
+            scorer=self.scorer,
+            speculator=speculator,
+            greedy=self.spec.sampling.greedy,
+            eos=frozenset() if ignore_eos else frozenset(self.eos_token_ids()),
+            spec=self.spec.to_dict(),
+            compiled=compiled,
+        )
 
     def start(
         self,
@@ -297,9 +284,10 @@ class Pipeline:
         *,
         resume: Checkpoint | None = None,
     ) -> Generation:
-        """Validate a run and set it up; nothing is computed until its ``steps()`` are
-        iterated. ``resume`` continues a checkpoint (``prompt``, ``max_new_tokens``,
-        ``seed`` and ``ignore_eos`` then come from it)."""
+        """Validate a run and prepare it (:meth:`prepare`: the first run on a machine
+        measures its costs); decoding starts when its ``steps()`` are iterated.
+        ``resume`` continues a checkpoint (``prompt``, ``max_new_tokens``, ``seed`` and
+        ``ignore_eos`` then come from it)."""
         if resume is not None:
             prompt, max_new_tokens, seed, ignore_eos = (
                 resume.prompt_tokens, resume.max_new_tokens, resume.seed, resume.ignore_eos
@@ -307,14 +295,19 @@ class Pipeline:
         prompt_ids = self.check(prompt, max_new_tokens)
         seed = distributed.broadcast_int(secrets.randbits(63)) if seed is None else int(seed)
         generator = resume.generator() if resume is not None else torch.Generator(device="cpu").manual_seed(seed)
+        done = list(resume.tokens) if resume is not None else []
+        if resume is not None and resume.done:  # nothing left to decode: nothing to prepare
+            setup = self._setup(Speculator(), ignore_eos=ignore_eos)
+        else:
+            setup = self.prepare(len(prompt_ids), max_new_tokens, done_tokens=len(done), ignore_eos=ignore_eos)
         return Generation(
-            self,
+            setup,
             prompt_ids,
             max_new_tokens,
             seed=seed,
             generator=generator,
             ignore_eos=ignore_eos,
-            done_tokens=list(resume.tokens) if resume is not None else None,
+            done_tokens=done,
             finish_reason=resume.finish_reason if resume is not None and resume.done else None,
         )
 
@@ -388,7 +381,7 @@ class Pipeline:
                 prefill_seconds=run.prefill_seconds,
                 finish_reason=run.finish_reason,
                 dtype=str(self.runner.dtype).removeprefix("torch."),
-                compiled=run.compiled and self.runner.compiled is not None,
+                compiled=run.compiled,
                 compile_seconds=run.compile_seconds,
             ),
             seed=run.seed,

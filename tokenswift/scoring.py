@@ -9,20 +9,31 @@ a :class:`Scorer`, so they cannot drift apart.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 from tokenswift.errors import NonFiniteScoresError
-from tokenswift.interfaces import Penalty
 from tokenswift.sampling import build_warpers
 from tokenswift.spec import SamplingSpec
 from tokenswift.tree import DraftTree
 
 
+class PenaltyFunction(Protocol):
+    """What scoring needs of the pipeline's penalty component
+    (:class:`tokenswift.interfaces.Penalty`, whose interface names this module's
+    classes: so this module names none of the components')."""
+
+    @property
+    def window(self) -> int: ...
+
+    def apply(self, contexts: torch.Tensor, scores: torch.Tensor) -> torch.Tensor: ...
+
+
 class Scorer:
     """The pipeline's penalty component followed by the warpers of its sampling spec."""
 
-    def __init__(self, penalty: Penalty, sampling: SamplingSpec) -> None:
+    def __init__(self, penalty: PenaltyFunction, sampling: SamplingSpec) -> None:
         self.penalty = penalty
         self.sampling = sampling
         self._warpers: dict[torch.device, object] = {}  # some warpers keep tensors: one set per device

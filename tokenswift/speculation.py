@@ -27,11 +27,13 @@ from __future__ import annotations
 import bisect
 import collections
 from collections import defaultdict
+from collections.abc import Mapping
 
 import attrs
 
 from tokenswift.costs import CostModel
-from tokenswift.tree import DraftTree
+from tokenswift.interfaces import Verdict
+from tokenswift.tree import DRAFTER, RETRIEVER, DraftTree
 
 
 class AcceptanceTracker:
@@ -95,21 +97,21 @@ class Choice:
     explored: list[int] = attrs.field(factory=list)  # kept only to explore (candidate indices)
 
 
-    def likely_path(self, tree: DraftTree, *, at_least: float = 0.25, longest: int = 3) -> list[int]:
-        """Positions in ``keep`` of the likeliest path below the root, as long as each
-        step of it is at least ``at_least`` likely (whose logits are worth computing
-        with the root's, in one product)."""
-        position = {node: i for i, node in enumerate(self.keep)}
+    def likely_path(self, candidates: DraftTree, *, at_least: float = 0.25, longest: int = 3) -> list[int]:
+        """Candidate nodes (ids in ``candidates``, all kept) of the likeliest path below
+        the root, as long as each step of it is at least ``at_least`` likely (whose
+        logits are worth computing with the root's, in one product)."""
+        chance = dict(zip(self.keep, self.chance))
         path, node = [], 0
         while len(path) < longest:
-            children = [position[c] for c in tree.children(node).values() if c in position]
+            children = [c for c in candidates.children(node).values() if c in chance]
             if not children:
                 break
-            best = max(children, key=lambda i: self.chance[i])
-            if self.chance[best] < at_least:
+            best = max(children, key=lambda c: chance[c])
+            if chance[best] < at_least:
                 break
             path.append(best)
-            node = self.keep[best]
+            node = best
         return path
 
 
@@ -233,3 +235,112 @@ class PassChooser:
         rate = tokens / seconds
         old = self.rate[ran_pass]
         self.rate[ran_pass] = rate if old is None else old + self.smoothing * (rate - old)
+
+
+# -- the policy the decoding loop asks -------------------------------------------------
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class Selection:
+    """What a step verifies: ``tree`` (the root and the kept candidates, every parent
+    before its children); ``likely``: nodes of ``tree`` likely to be visited, whose
+    LM-head rows are computed with the root's; ``choice``: the cost model's choice
+    (None with fixed trees)."""
+
+    tree: DraftTree
+    likely: tuple[int, ...] = ()
+    choice: Choice | None = None
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class StepFacts:
+    """What one committed step tells the speculation policy.
+
+    tree and verdict: what was verified and accepted; context: committed positions the
+    verify forward attended over; forward_seconds: what it took; step_seconds: the
+    whole step; proposing_seconds: what each source that proposed took (the sources
+    that proposed are its keys); drafting_pass: whether a pass of the root over a
+    partial view ran (None: none was considered); view_seconds: what keeping the
+    drafting view took (paid whether or not a pass ran); emitted: tokens emitted."""
+
+    tree: DraftTree
+    verdict: Verdict
+    context: int
+    forward_seconds: float
+    step_seconds: float
+    proposing_seconds: Mapping[int, float]
+    drafting_pass: bool | None
+    view_seconds: float
+    emitted: int
+
+
+class Speculator:
+    """Fixed trees: every proposer proposes every step, every candidate is verified, a
+    drafter that asks for a pass of the root gets it over any view (the whole context
+    included), and nothing is learnt. The base of :class:`AutoSpeculator`, which
+    chooses each step's tree (``speculation.tree = "auto"``)."""
+
+    costs: CostModel | None = None
+
+    def proposers(self) -> tuple[int, ...]:
+        """The sources (:data:`~tokenswift.tree.DRAFTER`, :data:`~tokenswift.tree.RETRIEVER`)
+        that propose this step."""
+        return (DRAFTER, RETRIEVER)
+
+    def run_pass(self, partial_view: bool) -> bool:
+        """Whether the drafter's pass of the root runs this step over its drafting view
+        (``partial_view``: the view holds less than the whole context)."""
+        return True
+
+    def select(self, candidates: DraftTree, proposers: tuple[int, ...], context: int) -> Selection:
+        """The tree to verify over ``context`` committed positions."""
+        return Selection(tree=candidates)
+
+    def learn(self, facts: StepFacts) -> None:
+        """What a committed step teaches the policy."""
+
+
+class AutoSpeculator(Speculator):
+    """Each step's tree chosen by expected tokens per predicted second: the
+    :class:`AcceptanceTracker` corrects the proposers' confidences, the
+    :class:`CostModel` predicts the forward, a :class:`DraftGate` per proposer skips
+    one whose candidates have not paid, and a :class:`PassChooser` decides whether a
+    drafting pass over a partial view pays. At most ``max_nodes`` nodes below the root
+    (0: plain steps only)."""
+
+    def __init__(self, costs: CostModel, max_nodes: int) -> None:
+        self.costs = costs
+        self.max_nodes = max_nodes
+        self.tracker = AcceptanceTracker()
+        self.passes = PassChooser()
+        self.gates = {DRAFTER: DraftGate(), RETRIEVER: DraftGate()}
+
+    def proposers(self) -> tuple[int, ...]:
+        return tuple(source for source in (DRAFTER, RETRIEVER) if self.gates[source].draft())
+
+    def run_pass(self, partial_view: bool) -> bool:
+        # Over the whole context the pass computes what the verify forward computes for
+        # the root: it is run only over a partial view that pays.
+        return partial_view and self.passes.run_pass()
+
+    def select(self, candidates: DraftTree, proposers: tuple[int, ...], context: int) -> Selection:
+        explore = tuple(source for source in proposers if self.gates[source].exploring) if self.max_nodes else ()
+        choice = choose(candidates, self.tracker, self.costs, context, self.max_nodes, explore=explore)
+        node_of = {candidate: node for node, candidate in enumerate(choice.keep)}  # subtree(keep)'s numbering
+        likely = tuple(node_of[candidate] for candidate in choice.likely_path(candidates))
+        return Selection(tree=candidates.subtree(choice.keep), likely=likely, choice=choice)
+
+    def learn(self, facts: StepFacts) -> None:
+        tree, verdict = facts.tree, facts.verdict
+        self.tracker.observe(tree, verdict.accepted)
+        # Each accepted token saves a one-token forward; the tree's extra forward time is
+        # shared among the proposers by their verified nodes; proposing cost what it took.
+        one_token = self.costs.forward_seconds(1, facts.context)
+        extra = max(0.0, facts.forward_seconds - one_token) / max(len(tree) - 1, 1)
+        for source, proposing in facts.proposing_seconds.items():
+            verified = sum(1 for node in tree.sources[1:] if node == source)
+            accepted = sum(1 for node in verdict.accepted if tree.sources[node] == source)
+            self.gates[source].observe(accepted * one_token - verified * extra - proposing)
+        self.costs.observe_forward(len(tree), facts.context, facts.forward_seconds)
+        if facts.drafting_pass is not None:
+            self.passes.observe(facts.drafting_pass, facts.emitted, facts.step_seconds - facts.view_seconds)

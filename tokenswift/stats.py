@@ -8,7 +8,10 @@ from typing import Any
 import attrs
 import torch
 
-STAGES = ("propose", "score", "verify", "commit")
+# propose: drafter and retriever, the tree chosen; forward: the verify forward;
+# verify: scoring the nodes the verifier visits and walking the tree; commit: the KV
+# keeps the accepted path, the tokens are appended, the components observe.
+STAGES = ("propose", "forward", "verify", "commit")
 
 
 class StageClock:
@@ -40,7 +43,7 @@ class StepRecord:
     """One committed step, as observers see it."""
 
     step: int
-    tree_size: int  # nodes below the root that were verified
+    verified: int  # nodes below the root that were verified
     depth: int  # the verified tree's depth (0: nothing drafted)
     accepted: int  # drafted tokens accepted and emitted
     retrieved: int  # of those, the ones from retriever branches
@@ -48,7 +51,7 @@ class StepRecord:
     generated: int  # new tokens so far, these included
     seconds: float  # since generation start
     stage_seconds: dict[str, float] = attrs.field(factory=dict)  # this step's, per stage (STAGES)
-    candidates: int = 0  # nodes proposed below the root (tree_size of them verified)
+    candidates: int = 0  # nodes proposed below the root (`verified` of them were verified)
     drafting_pass: bool = False  # a drafting pass of the root ran
     predicted_tokens: float | None = None  # expected tokens of the chosen tree (None: a fixed tree)
     predicted_seconds: float | None = None  # its predicted forward + scoring time
@@ -64,15 +67,15 @@ class GenerationStats:
     steps: int
     seconds: float  # prefill + decode
     prefill_seconds: float
-    proposed_tokens: int  # tree nodes below the root, summed over steps
-    accepted_tokens: int  # proposed tokens that were accepted
+    verified_tokens: int  # verified tree nodes below the root, summed over steps
+    accepted_tokens: int  # verified tokens that were accepted
     retrieved_accepted_tokens: int  # of those, the ones from retriever branches
     draft_depth: int  # sum over steps of the tree depth (the paper's "steps x k")
     tokens_per_step_histogram: dict[int, int]
     stage_seconds: dict[str, float]
     finish_reason: str  # "length", "eos", "interrupted" or "non-finite scores" (text so far kept)
     dtype: str = ""  # the model's dtype
-    candidate_tokens: int = 0  # nodes proposed below the root, summed over steps (proposed_tokens were verified)
+    candidate_tokens: int = 0  # nodes proposed below the root, summed over steps (verified_tokens of them verified)
     drafting_passes: int = 0  # steps that ran a drafting pass
     predicted_tokens: float = 0.0  # expected tokens of the chosen trees, summed over the steps that chose one
     predicted_seconds: float = 0.0  # their predicted forward + scoring seconds
@@ -130,7 +133,7 @@ class GenerationStats:
         chosen = self.chosen_steps
         return {
             "candidates_per_step": round(self.candidate_tokens / self.steps, 2) if self.steps else 0.0,
-            "verified_per_step": round(self.proposed_tokens / self.steps, 2) if self.steps else 0.0,
+            "verified_per_step": round(self.verified_tokens / self.steps, 2) if self.steps else 0.0,
             "drafting_passes": self.drafting_passes,
             "predicted_tokens_per_step": round(self.predicted_tokens / chosen, 3) if chosen else None,
             "realised_tokens_per_step": round(self.chosen_tokens / chosen, 3) if chosen else None,
@@ -143,7 +146,7 @@ class StatsCollector:
     """Totals over a generation's step records (a consumer of ``Generation.steps()``)."""
 
     def __init__(self) -> None:
-        self.steps = self.proposed = self.accepted = self.retrieved = self.depth = 0
+        self.steps = self.verified = self.accepted = self.retrieved = self.depth = 0
         self.candidates = self.passes = self.chosen_steps = self.chosen_tokens = 0
         self.predicted_tokens = self.predicted_seconds = self.forward_seconds = 0.0
         self.histogram: dict[int, int] = {}
@@ -159,7 +162,7 @@ class StatsCollector:
             self.predicted_tokens += record.predicted_tokens
             self.predicted_seconds += record.predicted_seconds
             self.forward_seconds += record.forward_seconds
-        self.proposed += record.tree_size
+        self.verified += record.verified
         self.accepted += record.accepted
         self.retrieved += record.retrieved
         self.depth += record.depth
@@ -178,7 +181,7 @@ class StatsCollector:
             steps=self.steps,
             seconds=seconds,
             prefill_seconds=prefill_seconds,
-            proposed_tokens=self.proposed,
+            verified_tokens=self.verified,
             accepted_tokens=self.accepted,
             retrieved_accepted_tokens=self.retrieved,
             draft_depth=self.depth,

@@ -8,5 +8,5 @@ from tokenswift.interfaces import CachePolicy
 class FullPolicy(CachePolicy):
     """Draft over every committed position, read in place."""
 
-    def drafting_view(self, state):
+    def update_view(self, state):
         return None

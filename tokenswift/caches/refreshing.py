@@ -60,7 +60,7 @@ class RefreshingPolicy(CachePolicy):
     def view_positions(self, context_positions: int) -> int:
         return self.options.budget + self.scratch if context_positions > self.options.budget else 0
 
-    def drafting_view(self, state):
+    def update_view(self, state):
         store = self.context.runner.store
         length = store.length
         if length <= self.options.budget:

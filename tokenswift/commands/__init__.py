@@ -1,6 +1,11 @@
 """What each ``tokenswift`` command does, one module per command; :mod:`tokenswift.cli`
-only parses arguments and dispatches here. Commands own the terminal (progress bars,
-summaries); library code only logs."""
+builds the top-level parser and dispatches here. Commands own the terminal (progress
+bars, summaries); library code only logs.
+
+Each command module has its name and one-line help (``NAME``, ``HELP``), its arguments
+(``add_arguments(parser)``, which adds them to the command's subparser) and its handler
+(``run(args, argv)``, the exit status). What a command needs to run it imports when it
+runs; building the parser imports at most a tool's config class, for its defaults."""
 
 from __future__ import annotations
 
@@ -8,10 +13,36 @@ from pathlib import Path
 
 DEFAULT_MODEL = "smollm2"
 DEFAULT_PRESET = "tokenswift"
+DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float64"]
 
 
 class CliError(Exception):
     """A user error the CLI reports in one line (exit status 2)."""
+
+
+def config_defaults(config_class) -> dict:
+    """An attrs config class's field defaults by name: a command's flags take their
+    defaults from the config they fill, which is the one authority for them."""
+    import attrs
+
+    return {
+        field.name: field.default.factory() if isinstance(field.default, attrs.Factory) else field.default
+        for field in attrs.fields(config_class)
+    }
+
+
+def add_training_schedule(parser, default: dict) -> None:
+    """The flags both training commands share (learning rate and warm-up, seed,
+    checkpoints, held-out books, resuming), with their defaults from ``default``
+    (:func:`config_defaults` of the command's config)."""
+    parser.add_argument("--lr", type=float, default=default["lr"])
+    parser.add_argument("--warmup", type=int, default=default["warmup"])
+    parser.add_argument("--seed", type=int, default=default["seed"])
+    parser.add_argument("--checkpoint-every", type=int, default=default["checkpoint_every"])
+    parser.add_argument(
+        "--holdout", default=",".join(default["holdout"]), help="comma-separated book ids kept for evaluation"
+    )
+    parser.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
 
 
 def read_prompt_file(name: str) -> str:

@@ -7,8 +7,17 @@ from pathlib import Path
 
 from tokenswift.commands import CliError
 
+NAME = "ablate"
+HELP = "sweep a grid of component choices and parameters"
 
-def run(args) -> int:
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--grid", required=True, help="grid TOML (base spec, axes or cells, prompt, seeds, lengths)")
+    parser.add_argument("--out", help="directory for ablation.csv/.md and plots (default: ablation-<grid name>)")
+    parser.add_argument("--new-tokens", type=int, help="override the grid's new_tokens (shorter runs)")
+
+
+def run(args, argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     from tokenswift.tools.ablate import Grid, run_ablation, write_reports

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import sys
 
-from tokenswift.commands import CliError
+from tokenswift.commands import DEFAULT_MODEL, DTYPE_CHOICES, CliError
+
+NAME = "bench"
+HELP = "benchmark transformers generate against the presets, side by side"
 
 LONG_BENCH_TOKENS = 14_336
 LONG_BENCH_ROPE = "yarn:2"
@@ -15,7 +18,53 @@ DEFAULT_NEW_TOKENS = 6144
 CONTEXTS_NEW_TOKENS = 256
 
 
-def run(args) -> int:
+def add_arguments(parser) -> None:
+    from tokenswift.tools.bench import HF_METHODS, PRESET_METHODS
+
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    parser.add_argument("--heads", default="auto", help="heads for the tokenswift and medusa presets")
+    parser.add_argument("--prompt-tokens", type=int, default=2048)
+    parser.add_argument("--new-tokens", type=int, help="new tokens per method (default 6144; 256 with --contexts)")
+    length = parser.add_mutually_exclusive_group()
+    length.add_argument("--quick", action="store_true", help="1,024 new tokens, for iteration")
+    length.add_argument(
+        "--long", action="store_true",
+        help=f"{LONG_BENCH_TOKENS:,} new tokens (16K positions with the prompt, twice the demo model's "
+        f"trained context) with RoPE scaling {LONG_BENCH_ROPE} unless --rope says otherwise",
+    )
+    parser.add_argument("--rope", help="RoPE-scaling override TYPE:FACTOR (e.g. yarn:2), for runs past the trained context")
+    parser.add_argument("--greedy", action="store_true", help="greedy decoding (reports identity with ar)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--methods", help="comma-separated subset of: " + ", ".join(HF_METHODS + PRESET_METHODS))
+    parser.add_argument("--out", default="bench-out", help="directory for bench.json, bench.md and bench.png")
+    parser.add_argument(
+        "--interleaved", action="store_true",
+        help="presets decode in turns of 8 tokens on one model: speed ratios to ar that a noisy machine cannot fake, "
+        "with each preset's tree decisions (writes interleaved.json/.md)",
+    )
+    parser.add_argument(
+        "--seeds", type=int, nargs="+", help="with --interleaved or --contexts: one comparison per seed, summed"
+    )
+    parser.add_argument(
+        "--compile", choices=("off", "on", "both", "all"), default="off",
+        help="with --interleaved: presets eager (off), compiled (on), both side by side (PRESET+compiled), or all "
+        "three with compile = auto (PRESET+auto); the compile time is reported",
+    )
+    parser.add_argument(
+        "--contexts", type=int, nargs="+", metavar="TOKENS",
+        help="long-context sweep: for each prompt length, one prefill shared by the presets (default ar,tokenswift), "
+        "which decode in turns; ratios to ar, tokens/step and a memory roofline per context; RoPE scaled "
+        "automatically past the trained length (writes contexts.json/.md/.png)",
+    )
+    parser.add_argument(
+        "--decodings", nargs="+", choices=("sampling", "greedy"), default=["sampling", "greedy"],
+        help="with --contexts: the paper's sampling, greedy, or both (default both)",
+    )
+
+
+def run(args, argv: list[str] | None = None) -> int:
     if args.contexts:
         return run_contexts(args)
     if args.new_tokens is None:

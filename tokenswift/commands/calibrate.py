@@ -1,16 +1,29 @@
 """``tokenswift calibrate``: measure (again) what forwards cost on this machine for a
-model, show it, and cache it (see :mod:`tokenswift.costs`)."""
+model, show it, and cache it (see :mod:`tokenswift.calibration`)."""
 
 from __future__ import annotations
 
 import sys
 
-from tokenswift.commands import CliError
+from tokenswift.commands import DEFAULT_MODEL, DTYPE_CHOICES, CliError
+
+NAME = "calibrate"
+HELP = "measure what forwards cost on this machine (cached; used to choose trees)"
 
 
-def run(args) -> int:
+def add_arguments(parser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL, help=f"model to calibrate for (default {DEFAULT_MODEL!r})")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    parser.add_argument("--show", action="store_true", help="show the cached calibration instead of measuring again")
+    parser.add_argument(
+        "--compile", action="store_true", help="also compare compiled and eager one-token steps (compiles the model)"
+    )
+
+
+def run(args, argv: list[str] | None = None) -> int:
     from tokenswift import Pipeline
-    from tokenswift.costs import calibration_for, calibration_path, load_calibration
+    from tokenswift.calibration import Calibration, calibration_for, load_calibration
     from tokenswift.model.loading import check_device
     from tokenswift.spec import ModelSpec
 
@@ -31,7 +44,7 @@ def run(args) -> int:
     print(f"scoring one node: {calibration.score_ms:.2f} ms")
     print("verify forward, ms, by new tokens (columns) and context length (rows):")
     print(calibration.table())
-    print(f"took {calibration.seconds:.1f} s; cached in {calibration_path(calibration.key)}", file=sys.stderr)
+    print(f"took {calibration.seconds:.1f} s; cached in {Calibration.path(calibration.key)}", file=sys.stderr)
     if args.compile:
         show_compile(pipe.runner, refresh=not args.show)
     return 0
@@ -39,13 +52,13 @@ def run(args) -> int:
 
 def show_compile(runner, *, refresh: bool) -> None:
     """Compiled vs eager one-token steps (measured again unless only shown)."""
-    from tokenswift.costs import compile_calibration_path, load_compile_calibration, measure_compile, save_compile_calibration
+    from tokenswift.compiling import CompileCalibration, load_compile_calibration, measure_compile
     from tokenswift.model.compiled import CompileUnavailable
 
     try:
         if refresh:
             result = measure_compile(runner)
-            save_compile_calibration(result)
+            result.save()
         else:
             result = load_compile_calibration(runner)
             if result is None:
@@ -55,4 +68,4 @@ def show_compile(runner, *, refresh: bool) -> None:
     print("one-token step (forward + LM-head row), ms, eager vs compiled:")
     for context, eager, compiled in zip(result.contexts, result.eager_ms, result.compiled_ms):
         print(f"  context {context}: eager {eager:.1f}, compiled {compiled:.1f} ({eager / compiled:.2f}x)")
-    print(f"compiling took {result.compile_seconds:.1f} s; cached in {compile_calibration_path(result.key)}", file=sys.stderr)
+    print(f"compiling took {result.compile_seconds:.1f} s; cached in {CompileCalibration.path(result.key)}", file=sys.stderr)

@@ -5,8 +5,15 @@ from __future__ import annotations
 from tokenswift.commands import CliError
 from tokenswift.errors import PluginError
 
+NAME = "components"
+HELP = "list registered components and presets"
 
-def run() -> int:
+
+def add_arguments(parser) -> None:
+    """The command takes no arguments."""
+
+
+def run(args=None, argv: list[str] | None = None) -> int:
     from tokenswift.registry import build_registry, get_plugin_manager
 
     try:

@@ -6,10 +6,26 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from tokenswift.commands import CliError, command_line, device_name, read_prompt_file
+from tokenswift.commands import DEFAULT_MODEL, DTYPE_CHOICES, CliError, command_line, device_name, read_prompt_file
+
+NAME = "fit-tree"
+HELP = "fit the tokenswift drafter's tree to how its drafts are accepted; writes tree.json beside the heads"
 
 
-def run(args, argv) -> int:
+def add_arguments(parser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="bfloat16")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    parser.add_argument("--heads", default="auto", help="heads directory (default: the heads shipped for the model)")
+    parser.add_argument("--nodes", type=int, default=40, help="tree nodes below the root (default 40, as [1,3,3,3])")
+    parser.add_argument("--prompt-file", help="text to continue, UTF-8 (default: the bundled public-domain prompt)")
+    parser.add_argument("--prompt-tokens", type=int, default=2048, help="prompt tokens used, from its start (default 2048)")
+    parser.add_argument("--new-tokens", type=int, default=2000, help="new tokens replayed per seed (default 2000)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="one generation per seed (default 1 2 3)")
+    parser.add_argument("--out", help="directory to write tree.json to (default: the heads directory)")
+
+
+def run(args, argv: list[str] | None = None) -> int:
     import time
 
     from tqdm import tqdm

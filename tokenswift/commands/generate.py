@@ -3,13 +3,73 @@ progress bar, checkpoints beside ``--out`` and ``--resume``."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import signal
 import sys
 from pathlib import Path
 
 from tokenswift import distributed
-from tokenswift.commands import DEFAULT_MODEL, DEFAULT_PRESET, CliError, read_prompt_file
+from tokenswift.commands import DEFAULT_MODEL, DEFAULT_PRESET, DTYPE_CHOICES, CliError, read_prompt_file
+
+NAME = "generate"
+HELP = "generate text with a preset or spec"
+EPILOG = (
+    "Same seed, same tokens: in float32 and float64 a speculative preset emits, for a given seed, exactly the "
+    "tokens --preset ar emits, and --resume continues exactly as the uninterrupted run would have. In bfloat16 "
+    "(what --dtype auto picks on GPUs, on CPUs with AMX-BF16 or AVX512-BF16, and on other CPUs where a one-row "
+    "product measures faster in it) a batched forward rounds differently from a one-token forward, so a "
+    "speculative run and ar agree in distribution, not token for token. Since the trees a run verifies follow "
+    "measured timings, two bfloat16 runs with the same seed and preset may differ too, and a resumed run, which "
+    "rebuilds its cache in batched forwards and chooses its own trees, may part from the uninterrupted one "
+    "shortly after its checkpoint. Pass --dtype float32 for token-identical runs."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = EPILOG
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--preset", help=f"a preset name (default {DEFAULT_PRESET!r})")
+    which.add_argument("--spec", help="a TOML spec file")
+    parser.add_argument("--model", help=f"model directory, .gguf file or packaged model (default {DEFAULT_MODEL!r})")
+    parser.add_argument("--heads", help="directory of trained draft heads (for the tokenswift and medusa drafters)")
+    parser.add_argument(
+        "--dtype", choices=DTYPE_CHOICES,
+        help="model dtype (default: auto, the fastest for this machine); float32 or float64 for runs "
+        "token-identical to ar's and, resumed, to the uninterrupted run's (see below)",
+    )
+    parser.add_argument(
+        "--compile", choices=("auto", "true", "false"),
+        help="compiled one-token forwards (default auto: where measured faster and the run repays compiling)",
+    )
+    parser.add_argument("--device", help="model device: cpu, cuda or cuda:N (default: the spec's, else cpu)")
+    prompt = parser.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", help="prompt text")
+    prompt.add_argument("--prompt-file", help="read the prompt from a file")
+    parser.add_argument("--max-new-tokens", type=int, default=1024, help="new tokens to generate (default 1024)")
+    parser.add_argument(
+        "--seed", type=int,
+        help="random seed (default: random, printed in the summary); in float32/float64 a speculative preset "
+        "then emits the tokens ar emits with that seed, in bfloat16 tokens from the same distribution (see below)",
+    )
+    parser.add_argument("--greedy", action="store_true", help="greedy decoding instead of the spec's sampling")
+    parser.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="keep going past end-of-sequence tokens (default: on for the bundled prompt, off otherwise)",
+    )
+    parser.add_argument("--out", help="write the text to this file instead of the terminal")
+    parser.add_argument("--stats-json", help="also write the statistics as JSON to this file")
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=256, help="with --out: write FILE.ckpt every N new tokens (default 256)"
+    )
+    parser.add_argument(
+        "--resume", action="store_true",
+        help="continue the run whose checkpoint is --out FILE.ckpt, in the checkpoint's dtype: exactly as "
+        "uninterrupted in float32/float64, from the same distribution in bfloat16",
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
 
 
 def _read_prompt(args) -> str:
@@ -77,7 +137,7 @@ def checkpoint_path(out: str) -> Path:
     return Path(f"{out}.ckpt")
 
 
-def run(args) -> int:
+def run(args, argv: list[str] | None = None) -> int:
     from tokenswift import Pipeline, hookimpl
     from tokenswift.checkpoint import Checkpoint
     from tokenswift.detok import IncrementalDecoder

@@ -7,10 +7,45 @@ import json
 import sys
 from pathlib import Path
 
-from tokenswift.commands import CliError, command_line, device_name
+from tokenswift.commands import (
+    DEFAULT_MODEL, DTYPE_CHOICES, CliError, add_training_schedule, command_line, config_defaults, device_name,
+)
+
+NAME = "train-drafter"
+HELP = "train the eagle drafter's network (one layer over the model's features) on a JSON Lines corpus"
 
 
-def run(args, argv) -> int:
+def add_arguments(parser) -> None:
+    from tokenswift.tools.drafter_training import DrafterTrainConfig
+
+    default = config_defaults(DrafterTrainConfig)  # the flags' defaults are the config's
+    parser.add_argument("--model", default=DEFAULT_MODEL, help=f"the target model (default {DEFAULT_MODEL!r})")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32", help="the target's dtype for its features")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    parser.add_argument("--data", required=True, help="JSON Lines file, one object with a 'text' key per line")
+    parser.add_argument("--out", required=True, help="directory for the network, checkpoints and training.json")
+    parser.add_argument("--features", help="folder for the cached target features (default OUT/features)")
+    parser.add_argument(
+        "--windows", type=int, default=default["windows"],
+        help="training windows whose features are cached (default %(default)s)",
+    )
+    parser.add_argument("--seq-len", type=int, default=default["seq_len"])
+    parser.add_argument("--steps", type=int, default=default["steps"])
+    parser.add_argument("--batch", type=int, default=default["batch"])
+    parser.add_argument(
+        "--depth", type=int, default=default["depth"], help="draft levels unrolled in training (default %(default)s)"
+    )
+    parser.add_argument(
+        "--draft-vocab", type=int, default=default["draft_vocab"], help="LM-head rows the draft ranks (default %(default)s)"
+    )
+    parser.add_argument(
+        "--penalty", type=float, default=default["penalty"],
+        help="train on distributions after this contextual penalty, as the presets sample (1.0: raw)",
+    )
+    add_training_schedule(parser, default)
+
+
+def run(args, argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     from tokenswift.model.loading import load_model

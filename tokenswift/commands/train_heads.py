@@ -7,10 +7,34 @@ import json
 import sys
 from pathlib import Path
 
-from tokenswift.commands import CliError, command_line, device_name
+from tokenswift.commands import (
+    DEFAULT_MODEL, DTYPE_CHOICES, CliError, add_training_schedule, command_line, config_defaults, device_name,
+)
+
+NAME = "train-heads"
+HELP = "train draft heads for a model on a JSON Lines corpus"
 
 
-def run(args, argv) -> int:
+def add_arguments(parser) -> None:
+    from tokenswift.tools.training import TrainConfig
+
+    default = config_defaults(TrainConfig)  # the flags' defaults are the config's
+    parser.add_argument("--model", default=DEFAULT_MODEL, help=f"model to train heads for (default {DEFAULT_MODEL!r})")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="bfloat16")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    parser.add_argument("--data", required=True, help="JSON Lines file, one object with a 'text' key per line")
+    parser.add_argument("--out", required=True, help="directory for the heads, checkpoints and training.json")
+    parser.add_argument("--steps", type=int, default=default["steps"])
+    parser.add_argument("--seq-len", type=int, default=default["seq_len"])
+    parser.add_argument("--batch", type=int, default=default["batch"])
+    parser.add_argument(
+        "--positions", type=int, default=default["positions"], help="positions per window the loss is taken on (0: all)"
+    )
+    parser.add_argument("--num-heads", type=int, default=default["num_heads"])
+    add_training_schedule(parser, default)
+
+
+def run(args, argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     from tokenswift.tools.training import TrainConfig, read_corpus, train_heads

@@ -23,6 +23,7 @@ from torch import nn
 
 from tokenswift.distributed import full_tensor
 from tokenswift.errors import ModelLoadError
+from tokenswift.model.configs import text_config
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -124,7 +125,7 @@ class DraftHeads(nn.Module):
     @classmethod
     def for_model(cls, model: nn.Module, num_heads: int = 3) -> DraftHeads:
         """Fresh heads (identity-initialised) matching ``model``."""
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        config = text_config(model)
         heads = cls(
             HeadsConfig(
                 hidden_size=config.hidden_size,
@@ -179,7 +180,7 @@ class DraftHeads(nn.Module):
 
     @staticmethod
     def _check_match(config: HeadsConfig, model: nn.Module, directory: Path) -> None:
-        model_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        model_config = text_config(model)
         vocab = model.get_output_embeddings().weight.shape[0]
         problems = []
         if config.hidden_size != model_config.hidden_size:

@@ -38,6 +38,7 @@ from torch import nn
 
 from tokenswift.drafters.draft_heads import CONFIG_NAME, WEIGHTS_NAME, find_made_for, model_fingerprint, save_module
 from tokenswift.errors import ModelLoadError
+from tokenswift.model.configs import text_config
 
 FORMAT = "tokenswift-eagle/1"
 
@@ -58,7 +59,7 @@ class FeatureNetConfig:
 
     @classmethod
     def for_model(cls, model: nn.Module, draft_vocab: int | None = None) -> FeatureNetConfig:
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        config = text_config(model)
         heads = config.num_attention_heads
         rope = getattr(config, "rope_parameters", None) or {}
         vocab = model.get_output_embeddings().weight.shape[0]

@@ -1,12 +1,12 @@
 """The ``tokenswift`` drafter: heads over a pass of the root on the drafting view.
 
-The pipeline forwards the root (the last committed token, which has no KV yet) over
-the cache policy's drafting view (a partial KV cache for ``dynamic``) and hands the
-result over; the LM head on the root's hidden state gives depth 1, the heads give
-depths 2..k+1. Nothing is written into the committed KV. Where that pass would not pay
-(over the whole context it computes what verification computes for the root), the
-pipeline skips it, and the drafter drafts as ``medusa`` does: the heads on the hidden
-state that gave the root token, head k for depth k (tree :data:`PARENT_TREE`).
+The drafter asks for a pass of the root (the last committed token, which has no KV
+yet) over the cache policy's drafting view (a partial KV cache for ``dynamic``); the LM
+head on the root's hidden state gives depth 1, the heads give depths 2..k+1. Nothing is
+written into the committed KV. Where that pass would not pay (over the whole context it
+computes what verification computes for the root), the speculation policy declines it,
+and the drafter drafts as ``medusa`` does: the heads on the hidden state that gave the
+root token, head k for depth k (tree :data:`PARENT_TREE`).
 
 With ``penalize`` (the default) the depth-1 candidates are ranked after the
 pipeline's penalty on the committed context, i.e. by the scores verification draws
@@ -34,7 +34,6 @@ class TokenSwiftDrafter(HeadDrafter):
 
     name = "tokenswift"
     default_tree = [1, 3, 3, 3]
-    needs_root_pass = True
 
     @attrs.frozen(kw_only=True)
     class Options(HeadDrafter.Options):
@@ -55,9 +54,10 @@ class TokenSwiftDrafter(HeadDrafter):
 
     @torch.inference_mode()
     def propose(self, state, inputs):
-        if inputs.root is None:  # no drafting pass this step
+        root = inputs.root_pass()
+        if root is None:  # no drafting pass this step
             return self.from_parent(inputs.parent_hidden, self.parent_paths, self.parent_widths)
-        first = inputs.root.logits  # [1, vocab]: the LM head on the root, depth 1
+        first = root.output.logits  # [1, vocab]: the LM head on the root, depth 1
         scorer = self.context.scorer
         context = scorer.context(state.tokens, device=first.device)
         processed = scorer(context, first)  # what verification will draw the root's token from
@@ -69,7 +69,7 @@ class TokenSwiftDrafter(HeadDrafter):
         else:
             chance = processed.float().softmax(-1)
         ranking = scorer.penalize(context, first) if self.options.penalize and scorer.window else first
-        heads = self._head_logits(inputs.root.hidden[0]).to(first.dtype)
+        heads = self._head_logits(root.output.hidden[0]).to(first.dtype)
         ranking = torch.cat([ranking, heads])
         probs = torch.cat([chance, heads.float().softmax(-1).to(chance.dtype)])
         return self.candidates(self.paths, self.widths, ranking[: len(self.widths)], probs[: len(self.widths)])

@@ -3,9 +3,9 @@
 It runs SDPA with grouped KV heads folded into the query dimension (no copies of the
 cache, no slow ``enable_gqa`` kernel), falling back to transformers' own SDPA path for
 anything unusual. What else a forward asks for comes in the one ``tokenswift_plan``
-keyword argument (a :class:`~tokenswift.model.hf_cache.ForwardPlan`): the view of
+keyword argument (a class:`~tokenswift.model.plan.ForwardPlan`): the view of
 committed positions every new token sees, the tree mask among the new tokens, and an
-optional :class:`AttentionRecorder`, which keeps the last query's attention
+optional :class:`~tokenswift.model.plan.AttentionRecorder`, which keeps the last query's attention
 probabilities over every key, summed over the query heads of each KV group (the
 dynamic cache policy ranks positions by them).
 
@@ -31,32 +31,10 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from tokenswift.model.hf_cache import EXTERNAL_KV_KWARG, PLAN_KWARG, ForwardPlan
+from tokenswift.model.plan import EXTERNAL_KV_KWARG, PLAN_KWARG, ForwardPlan
 from tokenswift.model.kv import KVStore
 
 ATTENTION_NAME = "tokenswift"
-
-
-class AttentionRecorder:
-    """Collects, per layer, the last query's attention probabilities per KV head.
-
-    After a forward, ``probabilities[layer]`` is a float32 tensor ``[kv_heads, K]``, K
-    the number of keys that query attended over (view or full store, plus new tokens).
-    """
-
-    def __init__(self) -> None:
-        self.probabilities: dict[int, torch.Tensor] = {}
-
-    def record(self, layer: int, query: torch.Tensor, key: torch.Tensor, allowed: torch.Tensor | None, scaling: float) -> None:
-        # query: [1, q_heads, n, D]; key: [1, kv_heads, K, D]; allowed: [K] bool (the last query's row) or None
-        q_heads, kv_heads = query.shape[1], key.shape[1]
-        last_query = query[0, :, -1:, :].float()  # [q_heads, 1, D]
-        keys = key[0].float().repeat_interleave(q_heads // kv_heads, dim=0)  # [q_heads, K, D]
-        logits = (last_query @ keys.transpose(1, 2)).squeeze(1) * scaling  # [q_heads, K]
-        if allowed is not None:
-            logits = logits.masked_fill(~allowed, float("-inf"))
-        probs = logits.softmax(dim=-1)
-        self.probabilities[layer] = probs.view(kv_heads, q_heads // kv_heads, -1).sum(dim=1)
 
 
 def _fold(query: torch.Tensor, kv_heads: int) -> torch.Tensor:

@@ -20,11 +20,10 @@ token, with static shapes:
 
 The compiled graph computes the same function in another order of operations, so its
 results differ from eager ones by rounding only (float32 logits within 1e-4 in the
-tests). Forwards of several tokens (trees, prompt chunks) stay eager. Whether
-compiling pays is the calibration's call (:mod:`tokenswift.costs`) with ``compile =
-"auto"``; compiling the demo model takes ~2 minutes the first time on the 2-core CPU
-and ~15 s once inductor's cache (kept under ``$TOKENSWIFT_CACHE/inductor``) holds the
-kernels. ``docs/compiled.md`` has the measurements.
+tests). Forwards of several tokens (trees, prompt chunks) stay eager. Whether a run
+compiles is decided in :mod:`tokenswift.compiling`; compiling the demo model takes ~2
+minutes the first time on the 2-core CPU and ~15 s once inductor's cache (kept under
+``$TOKENSWIFT_CACHE/inductor``) holds the kernels. ``docs/compiled.md`` has the measurements.
 """
 
 from __future__ import annotations
@@ -42,18 +41,10 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from tokenswift.model.hf_cache import EXTERNAL_KV_KWARG
+from tokenswift.model.plan import EXTERNAL_KV_KWARG
 from tokenswift.paths import cache_dir
 
 logger = logging.getLogger(__name__)
-
-
-# compile = "auto" leaves smaller models eager: they are test models, and compiling
-# takes longer than anything they run.
-AUTO_MIN_PARAMETERS = 20_000_000
-# ... and measures compiled against eager steps (compiling first: up to two minutes on a
-# 2-core CPU) only for a run this long, which such a measurement can repay.
-AUTO_CALIBRATE_MIN_TOKENS = 8192
 
 
 class CompileUnavailable(RuntimeError):

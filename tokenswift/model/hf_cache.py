@@ -1,5 +1,5 @@
-"""The bridge to transformers: a ``Cache`` over the runner's :class:`KVStore`, and the
-:class:`ForwardPlan` that tells the layers what one forward does.
+"""The bridge to transformers: a ``Cache`` over the runner's :class:`KVStore`, whose
+layers do what the forward's :class:`~tokenswift.model.plan.ForwardPlan` says.
 
 Transformers' attention modules call ``cache.update(k, v, layer_idx)`` with the new
 tokens' keys (already RoPE-rotated) and values, and attend over what it returns. Here
@@ -11,84 +11,10 @@ object travels to the attention function as the ``tokenswift_plan`` keyword argu
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-import attrs
-import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from tokenswift.model.kv import KVStore, KVView
-
-if TYPE_CHECKING:
-    from tokenswift.model.attention import AttentionRecorder
-
-PLAN_KWARG = "tokenswift_plan"
-# A compiled forward passes this (True) instead of a plan: the attention function then
-# joins the keys/values itself (see tokenswift.model.attention.attend).
-EXTERNAL_KV_KWARG = "tokenswift_external_kv"
-
-
-@attrs.define(eq=False)
-class ForwardPlan:
-    """One runner forward of n new tokens: the ``view`` of S committed positions they
-    all see, the ``tree_mask`` among themselves ([n, n] bool, row i = the new tokens
-    token i sees, itself included), and an optional recorder of the last query's
-    attention probabilities.
-
-    Attention never needs an [n, S + n] mask: every new token sees all S viewed
-    positions, so the attention function splits each layer's attention into that
-    unmasked prefix and the tiny masked tree block (see
-    :func:`tokenswift.model.attention.split_attention`). :meth:`full_mask` builds the
-    dense mask for the paths that still want one.
-    """
-
-    view: KVView
-    tree_mask: torch.Tensor
-    recorder: AttentionRecorder | None = None
-    _full_mask: torch.Tensor | None = attrs.field(default=None, init=False, repr=False)
-    _additive_masks: dict[str, torch.Tensor] = attrs.field(factory=dict, init=False, repr=False)
-
-    @property
-    def new_tokens(self) -> int:
-        return int(self.tree_mask.shape[0])
-
-    @property
-    def prefix(self) -> int:
-        """S: the committed positions every new token sees (keys ``[0, S)`` of a layer)."""
-        return self.view.size
-
-    @property
-    def dense(self) -> bool:
-        """One new token: it sees every key, no mask at all."""
-        return self.new_tokens == 1
-
-    def full_mask(self) -> torch.Tensor:
-        """[1, 1, n, S + n] bool: the prefix for all, then the tree mask (built once)."""
-        if self._full_mask is None:
-            n = self.new_tokens
-            visible = torch.ones(n, self.prefix, dtype=torch.bool, device=self.tree_mask.device)
-            self._full_mask = torch.cat([visible, self.tree_mask], dim=1).view(1, 1, n, self.prefix + n)
-        return self._full_mask
-
-    def tree_bias(self, group: int, dtype: torch.dtype) -> torch.Tensor:
-        """The tree mask repeated for the ``group`` query heads of a KV head, additive
-        (0 / -inf): [group * n, n], built once per forward."""
-        return self._additive("tree", self.tree_mask, group, dtype)
-
-    def grouped_mask(self, group: int, dtype: torch.dtype) -> torch.Tensor:
-        """:meth:`full_mask` repeated likewise: [1, 1, group * n, S + n], once per
-        forward (the dense path)."""
-        return self._additive("full", self.full_mask(), group, dtype)
-
-    def _additive(self, key: str, allowed: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
-        """``allowed`` ([..., n, K] bool) repeated ``group`` times along its rows and made
-        additive (0 / -inf) in ``dtype``; cached per forward under ``key``."""
-        cached = self._additive_masks.get(key)
-        if cached is None or cached.dtype != dtype:
-            repeated = allowed.repeat(*([1] * (allowed.dim() - 2)), group, 1)
-            cached = torch.zeros(repeated.shape, dtype=dtype, device=repeated.device).masked_fill_(~repeated, float("-inf"))
-            self._additive_masks[key] = cached
-        return cached
+from tokenswift.model.kv import KVStore
+from tokenswift.model.plan import ForwardPlan
 
 
 class StoreLayer(CacheLayerMixin):

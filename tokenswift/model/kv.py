@@ -103,6 +103,17 @@ class KVStore:
         self.length += k
         self.staged = 0
 
+    def load(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Hold exactly the given positions, committed: per layer ``keys[layer]`` and
+        ``values[layer]`` [1, kv_heads, P, head_dim] (a prefilled prompt's copy)."""
+        length = keys[0].shape[2]
+        if length >= self.capacity:
+            raise ValueError(f"load: {length} positions do not fit a store of {self.capacity}")
+        self.reset()
+        for layer in range(self.num_layers):
+            self.write(layer, 0, keys[layer], values[layer])
+        self.length = length
+
     def occupy(self, length: int) -> None:
         """Treat positions ``[0, length)`` as committed whatever they hold (for timing
         forwards at a context length without computing one)."""

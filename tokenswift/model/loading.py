@@ -19,6 +19,7 @@ import attrs
 import torch
 
 from tokenswift import distributed
+from tokenswift.model.configs import text_config
 from tokenswift.model.dtypes import auto_dtype
 from tokenswift.paths import cache_dir
 from tokenswift.errors import ModelLoadError
@@ -137,7 +138,7 @@ def _load_pretrained(directory: Path, dtype: torch.dtype, gguf_file: str | None,
         raise ModelLoadError(f"cannot load a model from {what}: {str(exc).splitlines()[0]}") from None
     parallel: dict[str, Any] = {}
     if tp_size > 1:
-        distributed.check_divisible(config.get_text_config(), tp_size)
+        distributed.check_divisible(text_config(config), tp_size)
         parallel["distributed_config"] = DistributedConfig(tp_size=tp_size)
     try:
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, config=config, **kwargs, **parallel)

@@ -22,11 +22,13 @@ import attrs
 import torch
 
 from tokenswift.distributed import tensor_parallel_size
-from tokenswift.model.attention import AttentionRecorder, attending, register_attention
+from tokenswift.model.attention import attending, register_attention
 from tokenswift.model.compiled import CompiledForward, CompileUnavailable
-from tokenswift.model.hf_cache import PLAN_KWARG, ForwardPlan, StoreCache
+from tokenswift.model.configs import text_config
+from tokenswift.model.hf_cache import StoreCache
 from tokenswift.model.kv import KVStore, KVView, Staging
 from tokenswift.model.linear import PackedLinears, packing_available
+from tokenswift.model.plan import PLAN_KWARG, AttentionRecorder, ForwardPlan
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +85,7 @@ class Runner:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        config = text_config(model)
         self.config = config
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
@@ -132,10 +134,16 @@ class Runner:
         cannot run."""
         if on and self.tp_size != 1:
             raise CompileUnavailable("compiled forwards are not supported under tensor parallelism")
-        self.compiled = CompiledForward.for_model(self.model, self.decoder, self.lm_head, self.logits_dtype) if on else None
+        compiled = CompiledForward.for_model(self.model, self.decoder, self.lm_head, self.logits_dtype) if on else None
+        if compiled is not None and compiled.failure is not None:  # failed before in this process: never again
+            self.compiled = None
+            raise compiled.failure
+        self.compiled = compiled
         return self.compiled
 
     def _compile_failed(self, exc: CompileUnavailable) -> None:
+        """A compile failed at its first call: eager from now on (what predicts costs
+        reads :attr:`compiled`, so it follows)."""
         logger.warning("compiled forwards are unavailable here, decoding eagerly: %s", exc)
         self.compiled = None
 
@@ -304,11 +312,7 @@ class Runner:
         length = prefilled.positions
         if length >= store.capacity:
             raise ValueError(f"restore: {length} prefilled positions do not fit a store of {store.capacity}")
-        store.reset()
-        for layer in range(store.num_layers):
-            store.keys[layer][:, :, :length] = prefilled.keys[layer]
-            store.values[layer][:, :, :length] = prefilled.values[layer]
-        store.length = length
+        store.load(prefilled.keys, prefilled.values)
 
     def prefill(self, tokens: torch.Tensor, *, chunk_size: int = 512, keep_hidden: int = 1) -> torch.Tensor | None:
         """Forward a prompt in causal chunks and commit all of it. tokens: [n] long.

@@ -110,7 +110,7 @@ def run_contexts(
                 spec = {**(overrides or {}), **DECODINGS[decoding]}
                 pipelines[decoding][name] = preset_pipeline(name, model, tokenizer, heads=heads, overrides=spec)
         every = [pipe for by_name in pipelines.values() for pipe in by_name.values()]
-        capacity = context + new_tokens + max(pipe.max_tree_nodes() for pipe in every)
+        capacity = max(pipe.kv_capacity(context, new_tokens) for pipe in every)
         prefilled = prefill_once({i: p for i, p in enumerate(every)}, prompt, capacity)
         report["prefill_seconds"][str(context)] = round(prefilled.seconds, 2)
         logger.info("context %d: prefilled once in %.1f s", context, prefilled.seconds)

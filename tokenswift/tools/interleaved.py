@@ -145,7 +145,7 @@ def compare_presets(
             for label, (name, choice) in variants.items()
         }
         if prefilled is None:  # one prefill of the prompt, copied into every run
-            prefilled = prefill_once(pipes, prompt, len(prompt) + new_tokens + max(p.max_tree_nodes() for p in pipes.values()))
+            prefilled = prefill_once(pipes, prompt, max(p.kv_capacity(len(prompt), new_tokens) for p in pipes.values()))
         results = run_interleaved(pipes, prompt, new_tokens, seed=seed, progress=progress, prefilled=prefilled)
         per_seed.append({
             "seed": seed,

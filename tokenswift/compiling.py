@@ -1,0 +1,186 @@
+"""Whether a run's one-token forwards are compiled: the one place that decides.
+
+``[model] compile`` is ``true`` (compile), ``false`` (eager) or ``"auto"``, which
+compiles where the **compile calibration** (:class:`CompileCalibration`: one-token
+steps eager against compiled at two contexts, in turns, and what compiling took;
+measured once per machine and model shape, then cached) says compiled steps are
+faster at the run's mean context and the run saves more than compiling costs (nothing,
+once this process has compiled the model). Until that comparison is cached, only runs
+of :data:`AUTO_CALIBRATE_MIN_TOKENS` tokens or more make it (compiling first costs up
+to two minutes on a small CPU). Never for models under :data:`AUTO_MIN_PARAMETERS`
+(test models), under torchrun or tensor parallelism, or without a compiler.
+
+The mechanism, :class:`~tokenswift.model.compiled.CompiledForward`, lives in the model
+layer; the runner falls back to eager forwards (and says so once) where a compile
+fails at its first call, and :class:`~tokenswift.costs.CostModel` asks the runner
+whether it is compiled each time it predicts, so a fallback never leaves it predicting
+compiled costs.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import ClassVar
+
+import attrs
+
+from tokenswift import distributed
+from tokenswift.machine import machine_name
+from tokenswift.model.compiled import CompiledForward, CompileUnavailable, compiler_problem
+from tokenswift.records import CachedRecord, machine_key
+from tokenswift.timing import interleaved_ms, measured_contexts, one_token_step
+
+logger = logging.getLogger(__name__)
+
+# compile = "auto" leaves smaller models eager: they are test models, and compiling
+# takes longer than anything they run.
+AUTO_MIN_PARAMETERS = 20_000_000
+# ... and measures compiled against eager steps (compiling first: up to two minutes on a
+# 2-core CPU) only for a run this long, which such a measurement can repay.
+AUTO_CALIBRATE_MIN_TOKENS = 8192
+COMPILE_CONTEXTS = (256, 2048)
+
+
+@attrs.frozen(kw_only=True)
+class CompileCalibration(CachedRecord):
+    """One-token forwards eager vs compiled on this machine, and what compiling took."""
+
+    FORMAT: ClassVar[str] = "tokenswift-compile-calibration/1"
+    SUFFIX: ClassVar[str] = "-compile"
+    TUPLES: ClassVar[tuple[str, ...]] = ("contexts", "eager_ms", "compiled_ms")
+
+    key: str
+    machine: str
+    contexts: tuple[int, ...]
+    eager_ms: tuple[float, ...]  # per context: a one-token forward plus its LM-head row
+    compiled_ms: tuple[float, ...]
+    compile_seconds: float  # what the measurement's compile took (a first compile: no cached kernels)
+
+    def milliseconds(self, context: int) -> tuple[float, float]:
+        """(eager, compiled) ms of a one-token step at ``context`` positions (linear in
+        the context: attention reads every position)."""
+        return _extrapolate(self.contexts, self.eager_ms, context), _extrapolate(self.contexts, self.compiled_ms, context)
+
+    def factor(self, context: int) -> float:
+        """Compiled over eager time of a one-token step at ``context``."""
+        eager, compiled = self.milliseconds(context)
+        return compiled / eager if eager > 0 else 1.0
+
+    def saving_seconds(self, context: int) -> float:
+        """Seconds a compiled one-token step saves at ``context`` (negative: it loses)."""
+        eager, compiled = self.milliseconds(context)
+        return (eager - compiled) / 1000
+
+
+def _extrapolate(xs, ys, x):
+    if len(xs) == 1:
+        return ys[0]
+    (x0, x1), (y0, y1) = xs[:2], ys[:2]
+    return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 0.0)
+
+
+def measure_compile(runner, *, repeats: int = 5) -> CompileCalibration:
+    """Compile ``runner``'s one-token forward and time it against the eager one, in
+    turns, at :data:`COMPILE_CONTEXTS` (leaves the store empty and the runner eager).
+    Raises :class:`~tokenswift.model.compiled.CompileUnavailable` where it cannot compile."""
+    contexts = measured_contexts(runner, COMPILE_CONTEXTS)
+    runner.allocate(max(contexts) + 2)
+    compiled = runner.use_compiled(True)
+    before = compiled.compile_seconds
+    try:
+        one_token_step(runner, contexts[0])()  # compiles both graphs (unless done before)
+        if runner.compiled is None:  # the compile failed and the runner fell back: nothing to compare
+            raise compiled.failure or CompileUnavailable("torch.compile failed")
+        compile_seconds = compiled.compile_seconds - before
+        eager_ms, compiled_ms = [], []
+        for context in contexts:
+            step = one_token_step(runner, context)
+            ms = interleaved_ms(
+                {"eager": (lambda: runner.use_compiled(False), step), "compiled": (lambda: runner.use_compiled(True), step)},
+                repeats,
+            )
+            eager_ms.append(round(ms["eager"], 3))
+            compiled_ms.append(round(ms["compiled"], 3))
+    finally:
+        runner.use_compiled(False)
+        runner.store.reset()
+    result = CompileCalibration(
+        key=machine_key(runner), machine=machine_name(runner.device), contexts=contexts,
+        eager_ms=tuple(eager_ms), compiled_ms=tuple(compiled_ms), compile_seconds=round(compile_seconds, 2),
+    )
+    logger.info(
+        "compiled one-token steps: %s ms vs eager %s ms at contexts %s (compiling took %.1f s)",
+        result.compiled_ms, result.eager_ms, contexts, result.compile_seconds,
+    )
+    return result
+
+
+def load_compile_calibration(runner) -> CompileCalibration | None:
+    """The cached comparison for this machine and model shape, if any."""
+    return CompileCalibration.load(machine_key(runner))
+
+
+def compile_calibration_for(runner) -> CompileCalibration:
+    """The cached comparison of compiled and eager one-token steps, or a new one
+    (compiles the model: up to ~2 minutes on a small CPU the first time; then cached)."""
+    cached = load_compile_calibration(runner)
+    if cached is not None:
+        return cached
+    logger.warning("measuring compiled against eager one-token forwards once (compiles the model; cached for next time)")
+    result = measure_compile(runner)
+    result.save()
+    return result
+
+
+@attrs.frozen(kw_only=True)
+class CompileDecision:
+    """compiled: one-token forwards run compiled; calibration: the comparison of
+    compiled and eager steps (what the cost model scales one-node forwards by), where
+    there is one."""
+
+    compiled: bool
+    calibration: CompileCalibration | None
+
+
+def decide(runner, choice: str | bool, *, prompt_tokens: int, new_tokens: int) -> CompileDecision:
+    """Turn ``runner``'s compiled one-token forwards on or off for a run of
+    ``new_tokens`` tokens after ``prompt_tokens``, as ``choice`` (``[model] compile``)
+    says, and say which (see the module docstring)."""
+    calibration = load_compile_calibration(runner) if choice is not False else None
+    context = prompt_tokens + new_tokens // 2  # the run's mean context
+    on = choice is True or (choice == "auto" and _auto_pays(runner, context, new_tokens, calibration))
+    try:
+        runner.use_compiled(on)
+    except CompileUnavailable as exc:
+        logger.warning("compile = %s, but compiled forwards are unavailable here, decoding eagerly: %s", choice, exc)
+        runner.use_compiled(False)
+    if runner.compiled is not None and calibration is None:  # auto has just measured it
+        calibration = load_compile_calibration(runner)
+    return CompileDecision(compiled=runner.compiled is not None, calibration=calibration)
+
+
+def _auto_pays(runner, context: int, new_tokens: int, calibration: CompileCalibration | None) -> bool:
+    """``compile = "auto"``'s decision; ``calibration``: the cached one, if any."""
+    if distributed.launched() or runner.tp_size != 1 or compiler_problem(runner.device) is not None:
+        return False
+    if sum(p.numel() for p in runner.model.parameters()) < AUTO_MIN_PARAMETERS:
+        return False
+    if calibration is None:
+        if new_tokens < AUTO_CALIBRATE_MIN_TOKENS:
+            logger.info("compile = auto: eager (compiled forwards not yet measured on this machine; a run of %d+ "
+                        "tokens measures them, or `tokenswift calibrate --compile`)", AUTO_CALIBRATE_MIN_TOKENS)
+            return False
+        try:
+            calibration = compile_calibration_for(runner)
+        except CompileUnavailable as exc:
+            logger.warning("compile = auto: compiled forwards are unavailable here (%s)", exc)
+            return False
+    saving = calibration.saving_seconds(context) * new_tokens
+    compiled = CompiledForward.ready_for(runner.model)
+    pays = saving > 0 and (compiled or saving > calibration.compile_seconds)
+    logger.info(
+        "compile = auto: compiled one-token steps %s at %d positions (%.1f s saved over %d tokens%s)",
+        "on" if pays else "off", context, saving, new_tokens,
+        "" if compiled else f", compiling costs ~{calibration.compile_seconds:.0f} s",
+    )
+    return pays

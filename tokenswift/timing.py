@@ -1,0 +1,82 @@
+"""Timing forwards: the harness every calibration measures with.
+
+Interference on a shared machine only ever adds time, so the least of a few runs
+estimates what the machine does undisturbed (:class:`~tokenswift.costs.CostModel` then
+scales the curve to the conditions a run meets); variants compared with each other run
+in turns, so that a machine's drift falls on all of them alike.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tokenswift.model.kv import Staging
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def least_ms(fn, repeats: int) -> float:
+    """The least of ``repeats`` timings of ``fn`` (after a warm-up), in milliseconds."""
+    fn()  # warm-up: allocators, oneDNN primitives for this shape
+    times = []
+    for _ in range(max(repeats, 1)):
+        synchronize()
+        start = time.perf_counter()
+        fn()
+        synchronize()
+        times.append(time.perf_counter() - start)
+    return 1000 * min(times)
+
+
+def interleaved_ms(variants: dict, repeats: int) -> dict:
+    """The least milliseconds of each variant (a ``(setup, run)`` pair) over ``repeats``
+    rounds that run every variant once."""
+    times: dict = {name: [] for name in variants}
+    for setup, run in variants.values():
+        setup()
+        run()  # warm-up
+    for _ in range(repeats):
+        for name, (setup, run) in variants.items():
+            setup()
+            synchronize()
+            start = time.perf_counter()
+            run()
+            synchronize()
+            times[name].append(time.perf_counter() - start)
+    return {name: 1000 * min(values) for name, values in times.items()}
+
+
+def chain_forward(runner, nodes: int, context: int):
+    """A forward of a ``nodes``-token chain over ``context`` committed positions (the
+    store's contents do not matter for timing, so nothing is prefilled)."""
+    tokens = torch.zeros(nodes, dtype=torch.long)
+    mask = torch.ones(nodes, nodes, dtype=torch.bool).tril()
+    depths = torch.arange(nodes)
+
+    def run():
+        runner.store.occupy(context)
+        runner.forward(tokens, tree_mask=mask, depths=depths, logits_rows=None, view=Staging(runner.store))
+
+    return run
+
+
+def one_token_step(runner, context: int):
+    """A one-token forward and its LM-head row over ``context`` committed positions."""
+    token = torch.zeros(1, dtype=torch.long)
+
+    def run():
+        runner.store.occupy(context)
+        runner.logits(runner.forward(token, logits_rows=None).hidden)
+
+    return run
+
+
+def measured_contexts(runner, wanted: tuple[int, ...]) -> tuple[int, ...]:
+    """``wanted`` context lengths, each at most half the model's context."""
+    limit = int(getattr(runner.config, "max_position_embeddings", None) or wanted[-1] * 2)
+    return tuple(sorted({min(c, max(limit // 2, 2)) for c in wanted}))
