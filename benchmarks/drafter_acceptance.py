@@ -1,10 +1,17 @@
-"""Tokens per step of each drafter when every candidate is verified (fixed trees, no
-n-gram reuse, full cache): how good its drafts are, apart from what they cost here.
+"""Tokens per step when every candidate is verified (fixed trees, at most 64 nodes): how
+good the drafts are, apart from what they cost here.
 
-    python benchmarks/drafter_acceptance.py [--new-tokens 128] [--dtype float32] [--out DIR]
+    python benchmarks/drafter_acceptance.py [--new-tokens 512] [--dtype float32]
+        [--presets eagle,tokenswift] [--drafters-alone] [--out DIR]
 
-Same model, the bundled 2,048-token prompt, seed 0; the paper's sampling and greedy
-decoding (both with the presets' penalty). Writes acceptance.json and acceptance.md.
+The held-out 2,048-token prompt (the bundled *Wuthering Heights*, never trained on),
+seed 0, with the presets' penalty; greedy decoding, and the paper's sampling (T = 1,
+min-p 0.1) with each sampler: ``coupled`` (the default: Gumbel-max keyed by position,
+the drafters rank by log q plus the same noise) and ``inverse-cdf`` (the sampler before
+it, drafts independent of the draw). With ``--drafters-alone`` each drafter runs without
+n-gram reuse and over the full cache; otherwise the presets as shipped (retriever and
+cache included; ``tokenswift``'s pass every step). Writes acceptance.json and
+acceptance.md, and prints each row as it is measured.
 """
 
 from __future__ import annotations
@@ -20,41 +27,70 @@ import torch
 from tokenswift import Pipeline
 from tokenswift.machine import machine_name
 from tokenswift.model.loading import load_model
-from tokenswift.prompts import demo_prompt
+from tokenswift.prompts import prompt_ids
 from tokenswift.spec import ModelSpec
 
-DRAFTERS = {"tokenswift": {"name": "tokenswift"}, "medusa": {"name": "medusa"}, "eagle": {"name": "eagle"}}
-SAMPLINGS = {"paper's sampling": None, "greedy": {"greedy": True}}
+DECODINGS = {
+    "greedy": {"greedy": True},
+    "coupled": {"sampler": "coupled"},  # the paper's sampling, drawn by each sampler
+    "inverse-cdf": {"sampler": "inverse-cdf"},
+}
+
+
+def spec_for(name: str, decoding: dict, *, alone: bool, max_nodes: int) -> dict:
+    spec = {"preset": name, "speculation": {"tree": "fixed", "max_nodes": max_nodes}}
+    if alone:
+        spec.update(drafter={"name": name}, retriever={"name": "none"}, cache={"name": "full"})
+    if decoding.get("greedy"):
+        spec["sampling"] = decoding
+    else:
+        spec["sampling"] = {"temperature": 1.0, "min_p": 0.1, **decoding}  # the presets' sampling, this sampler
+    return spec
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=512)
+    parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--presets", default="eagle,tokenswift", help="comma-separated presets (default eagle,tokenswift)")
+    parser.add_argument("--drafters-alone", action="store_true", help="no n-gram reuse, full cache")
+    parser.add_argument("--max-nodes", type=int, default=64)
+    parser.add_argument("--decodings", default=",".join(DECODINGS), help=f"comma-separated, of {list(DECODINGS)}")
     parser.add_argument("--out", default="benchmarks/results/drafter-acceptance")
     args = parser.parse_args()
     model, tokenizer = load_model(ModelSpec(path="smollm2", dtype=args.dtype))
-    prompt = tokenizer(demo_prompt(), add_special_tokens=False)["input_ids"][-2048:]
+    prompt = prompt_ids(tokenizer, args.prompt_tokens)
     rows = []
-    for sampling_name, sampling in SAMPLINGS.items():
-        for name, drafter in DRAFTERS.items():
-            spec = {"preset": name, "drafter": drafter, "retriever": {"name": "none"}, "cache": {"name": "full"},
-                    "speculation": {"tree": "fixed"}}
-            if sampling is not None:
-                spec["sampling"] = sampling
+    for decoding_name in args.decodings.split(","):
+        for name in args.presets.split(","):
+            spec = spec_for(name, DECODINGS[decoding_name], alone=args.drafters_alone, max_nodes=args.max_nodes)
             started = time.perf_counter()
             result = Pipeline.from_spec(spec, model, tokenizer).generate(prompt, args.new_tokens, seed=0, ignore_eos=True)
             stats = result.stats
-            rows.append({"sampling": sampling_name, "drafter": name, "tokens_per_step": round(stats.tokens_per_step, 3),
-                         "tree_nodes": stats.decisions()["verified_per_step"], "seconds": round(time.perf_counter() - started, 1)})
+            rows.append({
+                "decoding": decoding_name, "preset": name, "tokens_per_step": round(stats.tokens_per_step, 3),
+                "nodes_verified_per_step": stats.decisions()["verified_per_step"],
+                "acceptance_rate": round(stats.acceptance_rate, 3), "retriever_share": round(stats.retriever_share, 3),
+                "seconds": round(time.perf_counter() - started, 1),
+            })
             print(rows[-1], flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    info = {"machine": machine_name(torch.device("cpu")), "python": platform.python_version(), "dtype": args.dtype, "new_tokens": args.new_tokens}
+    info = {
+        "machine": machine_name(torch.device("cpu")), "python": platform.python_version(), "torch": torch.__version__,
+        "dtype": args.dtype, "new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens,
+        "max_nodes": args.max_nodes, "drafters_alone": args.drafters_alone,
+    }
     (out / "acceptance.json").write_text(json.dumps({"info": info, "rows": rows}, indent=2) + "\n")
-    lines = ["| decoding | drafter | tokens/step | nodes verified per step |", "|---|---|---|---|"]
-    lines += [f"| {r['sampling']} | {r['drafter']} | {r['tokens_per_step']} | {r['tree_nodes']} |" for r in rows]
-    (out / "acceptance.md").write_text("\n".join(lines) + f"\n\n{info['machine']}, {args.dtype}, {args.new_tokens} new tokens\n")
+    lines = ["| decoding | preset | tokens/step | nodes verified per step | retriever share |", "|---|---|---|---|---|"]
+    lines += [f"| {r['decoding']} | {r['preset']} | {r['tokens_per_step']} | {r['nodes_verified_per_step']} | "
+              f"{r['retriever_share']} |" for r in rows]
+    what = "drafters alone (no reuse, full cache)" if args.drafters_alone else "presets as shipped"
+    (out / "acceptance.md").write_text(
+        "\n".join(lines) + f"\n\n{info['machine']}, {args.dtype}, {what}, fixed trees (at most {args.max_nodes} nodes), "
+        f"held-out {args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, seed 0\n"
+    )
     print("\n".join(lines))
 
 

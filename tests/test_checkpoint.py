@@ -86,9 +86,11 @@ def test_bad_checkpoints(tmp_path):
         Checkpoint.load(bad)
 
 
-def test_an_interrupt_in_the_middle_of_a_step_resumes_exactly(tmp_path):
-    """Ctrl-C can land after a step has drawn random numbers but before it committed:
-    the checkpoint must hold the generator as of the last committed step."""
+@pytest.mark.parametrize("sampler", ["coupled", "inverse-cdf"])
+def test_an_interrupt_in_the_middle_of_a_step_resumes_exactly(tmp_path, sampler):
+    """Ctrl-C can land after a step has drawn but before it committed: the checkpoint
+    must resume as of the last committed step (the inverse-CDF sampler: its generator
+    as of then; the coupled one needs nothing but the seed)."""
     from tokenswift.verifiers.tree_sampling import TreeSamplingVerifier
 
     class InterruptedOnce(TreeSamplingVerifier):
@@ -99,7 +101,7 @@ def test_an_interrupt_in_the_middle_of_a_step_resumes_exactly(tmp_path):
         def verify(self, tree, scores, sampler):
             InterruptedOnce.calls += 1
             if InterruptedOnce.calls == 5:
-                sampler.draw(scores[0])
+                sampler.draw(scores[0], scores.position(0))
                 raise KeyboardInterrupt
             return super().verify(tree, scores, sampler)
 
@@ -109,7 +111,7 @@ def test_an_interrupt_in_the_middle_of_a_step_resumes_exactly(tmp_path):
             registrar.add("verifier", "interrupted-once", InterruptedOnce)
 
     model = tiny_model_for("llama-gqa")
-    spec = {**SPEC, "sampling": {"temperature": 1.0}}
+    spec = {**SPEC, "sampling": {"temperature": 1.0, "sampler": sampler}}
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     full = Pipeline.from_spec(spec, model).generate(prompt, 40, seed=7, ignore_eos=True)
     pm = get_plugin_manager()

@@ -32,6 +32,7 @@ SAMPLINGS = [
     {"temperature": 1.0, "min_p": 0.1},
     {"temperature": 0.7, "top_k": 20, "top_p": 0.9},
     {"eta": 0.01},
+    {"temperature": 1.0, "min_p": 0.1, "sampler": "inverse-cdf"},  # what format-1 checkpoints resume with
 ]
 
 

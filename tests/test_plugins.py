@@ -23,7 +23,7 @@ def test_every_hook_is_specified_and_documented():
 
 def test_builtins_register_through_the_hook():
     registry = build_registry(get_plugin_manager())
-    assert registry.names("verifier") == ["greedy", "tree-sampling"]
+    assert registry.names("verifier") == ["greedy", "rejection", "tree-sampling"]
     assert {info.origin for info in registry.components()} == {"built-in"}
     assert "ar" in registry.presets
 

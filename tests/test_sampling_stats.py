@@ -20,7 +20,7 @@ import torch
 from tokenswift import Pipeline
 from tokenswift.interfaces import Verdict
 from tokenswift.model.loading import tiny_model
-from tokenswift.sampling import Sampler
+from tokenswift.sampling import CoupledSampler, InverseCdfSampler
 from tokenswift.testing import TINY_CONFIGS
 from tokenswift.tree import DraftTree
 from tokenswift.verifiers.tree_sampling import TreeSamplingVerifier
@@ -75,9 +75,9 @@ def chi_square_p_value(observed, expected_probs, n):
     return float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(statistic / 2)))
 
 
-def check_sampled_distribution(runs):
+def check_sampled_distribution(runs, overrides=None):
     model = tiny_model(dict(TINY_CONFIGS["llama-gqa"], vocab_size=VOCAB, initializer_range=0.2), dtype="float64")
-    pipe = Pipeline.from_spec(SPEC, model)
+    pipe = Pipeline.from_spec({**SPEC, **(overrides or {})}, model)
     positions = 4
     counts = torch.zeros(positions, VOCAB, dtype=torch.float64)
     accepted = 0
@@ -96,6 +96,12 @@ def check_sampled_distribution(runs):
 
 def test_sampled_tokens_follow_the_autoregressive_distribution():
     check_sampled_distribution(1_000)
+
+
+def test_the_rejection_verifier_follows_the_autoregressive_distribution_through_its_real_streams():
+    """tests/test_rejection.py enumerates its choices exactly; this runs it with the
+    coupled sampler's keyed random streams, as a generation does."""
+    check_sampled_distribution(1_000, {"verifier": {"name": "rejection"}, "speculation": {"tree": "fixed"}})
 
 
 @pytest.mark.slow
@@ -139,14 +145,30 @@ def test_per_path_sampling_is_biased_and_tree_sampling_is_not():
 
     generator = torch.Generator().manual_seed(0)
     biased = first_token_frequency(lambda: per_path_verify(tree, scores, generator))
-    sampler = Sampler(False, torch.Generator().manual_seed(0))
     verifier = TreeSamplingVerifier(None, None)
-    ours = first_token_frequency(lambda: verifier.verify(tree, scores, sampler))
+    node_scores = FixedScores(tree, scores[0])
+    seeds = iter(range(runs))
+    coupled = first_token_frequency(lambda: verifier.verify(tree, node_scores, CoupledSampler(next(seeds))))
+    inverse_cdf = InverseCdfSampler(torch.Generator().manual_seed(0))
+    legacy = first_token_frequency(lambda: verifier.verify(tree, node_scores, inverse_cdf))
 
     sigma = math.sqrt(0.2 * 0.8 / runs)
     # Exactly: 0.7 * 0.2 + 0.7 * 0.8 * (0.2 / 0.7) = 0.30 instead of 0.20.
     assert abs(biased - 0.30) < 5 * sigma and abs(biased - 0.2) > 10 * sigma
-    assert abs(ours - 0.2) < 5 * sigma
+    assert abs(coupled - 0.2) < 5 * sigma and abs(legacy - 0.2) < 5 * sigma
+
+
+class FixedScores:
+    """Every node of ``tree`` scored ``row``; a node's draw at its depth's position."""
+
+    def __init__(self, tree, row):
+        self.tree, self.row = tree, row
+
+    def __getitem__(self, node):
+        return self.row
+
+    def position(self, node):
+        return self.tree.depths[node]
 
 
 def test_enumeration_helper_is_exact_on_a_known_case():

@@ -57,7 +57,7 @@ def test_toml_file(tmp_path, model):
         ("nonexistent-preset", r"unknown preset 'nonexistent-preset'; valid presets: \['ar', 'eagle', 'medusa', 'prompt-lookup', 'tokenswift'\]"),
         ({"preset": "bogus"}, r"unknown preset 'bogus'; valid presets: \['ar', 'eagle', 'medusa', 'prompt-lookup', 'tokenswift'\]"),
         ({"preset": "ar", "drafter": {"name": "wizard"}}, r"unknown drafter 'wizard'; valid drafters: \['eagle', 'medusa', 'none', 'tokenswift'\]"),
-        ({"preset": "ar", "verifier": "nope"}, r"unknown verifier 'nope'; valid verifiers: \['greedy', 'tree-sampling'\]"),
+        ({"preset": "ar", "verifier": "nope"}, r"unknown verifier 'nope'; valid verifiers: \['greedy', 'rejection', 'tree-sampling'\]"),
         ({"preset": "ar", "penalty": {"value": 1.2, "windw": 5}}, r"no option\(s\) \['windw'\]; valid options: value \(default 1.2\), window \(default 1024\)"),
         ({"preset": "ar", "penalty": {"window": -1}}, r"penalty.window must be >= 0, got -1"),
         ({"preset": "ar", "penalty": {"window": "ten"}}, r"penalty.window must be an integer >= 0, got 'ten'"),

@@ -18,6 +18,7 @@ from tokenswift.retrievers.ngram import NgramRetriever
 from tokenswift.retrievers.none import NoRetriever
 from tokenswift.retrievers.prompt_lookup import PromptLookupRetriever
 from tokenswift.verifiers.greedy import GreedyVerifier
+from tokenswift.verifiers.rejection import RejectionVerifier
 from tokenswift.verifiers.tree_sampling import TreeSamplingVerifier
 
 hookimpl = pluggy.HookimplMarker("tokenswift")
@@ -26,7 +27,7 @@ COMPONENTS = {
     "drafter": {"none": NoDrafter, "tokenswift": TokenSwiftDrafter, "medusa": MedusaDrafter, "eagle": EagleDrafter},
     "retriever": {"none": NoRetriever, "ngram": NgramRetriever, "prompt-lookup": PromptLookupRetriever},
     "cache": {"full": FullPolicy, "dynamic": DynamicPolicy, "streaming": StreamingPolicy},
-    "verifier": {"tree-sampling": TreeSamplingVerifier, "greedy": GreedyVerifier},
+    "verifier": {"tree-sampling": TreeSamplingVerifier, "greedy": GreedyVerifier, "rejection": RejectionVerifier},
     "penalty": {"none": NoPenalty, "contextual": ContextualPenalty},
 }
 

@@ -24,7 +24,7 @@ import torch
 
 from tokenswift.machine import machine_name
 from tokenswift.records import CALIBRATION_FORMAT, CachedRecord, machine_key
-from tokenswift.sampling import Sampler
+from tokenswift.sampling import make_sampler
 from tokenswift.timing import chain_forward, interleaved_ms, least_ms, measured_contexts
 
 logger = logging.getLogger(__name__)
@@ -170,10 +170,10 @@ def calibrate(runner, scorer, *, max_nodes: int = NODE_COUNTS[-1], progress=None
             progress()
     runner.store.reset()
 
-    sampler = Sampler(scorer.sampling.greedy, torch.Generator().manual_seed(0))
+    sampler = make_sampler(scorer.sampling, seed=0)
     hidden = torch.zeros(1, runner.config.hidden_size, dtype=runner.dtype, device=runner.device)
     context_ids = scorer.context(list(range(min(scorer.window, 64))), device=runner.device)
-    score_ms = least_ms(lambda: sampler.draw(scorer(context_ids, runner.logits(hidden))[0]), max(3, repeats))
+    score_ms = least_ms(lambda: sampler.draw(scorer(context_ids, runner.logits(hidden))[0], 0), max(3, repeats))
     calibration = Calibration(
         key=machine_key(runner),
         machine=machine_name(runner.device),

@@ -1,10 +1,12 @@
 """Checkpoints of a generation: enough to continue it exactly.
 
-A checkpoint holds the prompt, the tokens generated so far, the random generator's
-state and the spec. Because the sampler draws exactly one number per emitted token,
-and drafts only change speed, a resumed run emits exactly what the uninterrupted run
-would have, whatever state the drafter, retriever or cache had (they are rebuilt from
-the tokens).
+A checkpoint holds the prompt, the tokens generated so far, the seed and the spec (and
+the random generator's state, which only the inverse-CDF sampler reads). Because each
+token's draw depends only on its scores and (seed, position), and drafts only change
+speed, a resumed run emits exactly what the uninterrupted run would have (in
+float32/float64), whatever state the drafter, retriever or cache had (they are rebuilt
+from the tokens). A checkpoint written before the coupled sampler (format 1) resumes
+with the inverse-CDF sampler it was drawn with.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import torch
 
 from tokenswift.errors import TokenswiftError
 
-FORMAT = "tokenswift-checkpoint/1"
+FORMAT = "tokenswift-checkpoint/2"
+# Written before the coupled sampler: their runs drew by inverse CDF, and resume so.
+INVERSE_CDF_FORMATS = ("tokenswift-checkpoint/1",)
 
 
 @attrs.frozen(kw_only=True)
@@ -65,7 +69,12 @@ class Checkpoint:
             raise TokenswiftError(f"no checkpoint at {path}") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise TokenswiftError(f"checkpoint {path} is not readable: {exc}") from None
-        if data.pop("format", None) != FORMAT:
+        written = data.pop("format", None)
+        if written in INVERSE_CDF_FORMATS:
+            sampling = data["spec"].setdefault("sampling", {})
+            if isinstance(sampling, dict) and not sampling.get("greedy"):
+                sampling.setdefault("sampler", "inverse-cdf")
+        elif written != FORMAT:
             raise TokenswiftError(f"{path} is not a tokenswift checkpoint ({FORMAT})")
         data["rng_state"] = base64.b64decode(data["rng_state"])
         return cls(**data)

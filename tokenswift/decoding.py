@@ -39,8 +39,9 @@ from tokenswift.errors import NonFiniteScoresError
 from tokenswift.interfaces import CachePolicy, Component, DecodeState, Drafter, DraftInputs, Retriever, RootPass, StepOutcome, Verdict, Verifier
 from tokenswift.model.kv import FullView
 from tokenswift.model.runner import PrefilledPrompt, Runner
-from tokenswift.sampling import Sampler
+from tokenswift.sampling import STREAM_DRAFTS, make_sampler
 from tokenswift.scoring import NodeScores, Scorer
+from tokenswift.spec import SamplingSpec
 from tokenswift.speculation import Speculator, StepFacts
 from tokenswift.stats import StageClock, StepRecord
 from tokenswift.tree import DRAFTER, RETRIEVER, DraftTree
@@ -54,10 +55,11 @@ class DecodingSetup:
 
     runner: the model's runner, its KV store allocated for the run; the five
     components and ``components`` (all of them, in build order); scorer: penalty and
-    warpers; speculator: the speculation policy (fixed or chosen trees); greedy: the
-    sampler argmaxes; eos: the tokens that end the run (empty with ``ignore_eos``);
+    warpers; speculator: the speculation policy (fixed or chosen trees); sampling: how
+    tokens are drawn (greedy, the sampler); eos: the tokens that end the run (empty with ``ignore_eos``);
     spec: the pipeline's spec as a dict (what a checkpoint records); compiled: one-token
-    forwards were set to run compiled."""
+    forwards were set to run compiled; sampled_drafts: the verifier wants drafts drawn
+    from q (:attr:`~tokenswift.interfaces.Verifier.wants_sampled_drafts`)."""
 
     runner: Runner
     drafter: Drafter
@@ -67,10 +69,11 @@ class DecodingSetup:
     components: tuple[Component, ...]
     scorer: Scorer
     speculator: Speculator
-    greedy: bool
+    sampling: SamplingSpec
     eos: frozenset[int]
     spec: Mapping
     compiled: bool = False
+    sampled_drafts: bool = False  # the verifier tests drafts against the q they were drawn from
 
 
 class _RootPassRequest:
@@ -129,7 +132,7 @@ class Generation:
         self.seed = seed
         self.generator = generator
         self.ignore_eos = ignore_eos
-        self.sampler = Sampler(setup.greedy, generator)
+        self.sampler = make_sampler(setup.sampling, seed=seed, generator=generator)
         self.state = DecodeState(tokens=self.prompt_ids + list(done_tokens or []), prompt_length=len(self.prompt_ids))
         self.finish_reason = finish_reason or "length"
         self.started = time.perf_counter()
@@ -263,7 +266,11 @@ class Generation:
         proposing: dict[int, float] = {}
         if DRAFTER in proposers:
             started = time.perf_counter()
-            tree.add_branches(setup.drafter.propose(state, DraftInputs(parent_hidden=self.parent_hidden, root_pass=root_pass)))
+            inputs = DraftInputs(
+                parent_hidden=self.parent_hidden, root_pass=root_pass, noise=self._noise_at_depth,
+                draw_drafts=self._draw_drafts, sampled=setup.sampled_drafts,
+            )
+            tree.add_branches(setup.drafter.propose(state, inputs))
             proposing[DRAFTER] = time.perf_counter() - started
         if RETRIEVER in proposers:
             started = time.perf_counter()
@@ -271,6 +278,19 @@ class Generation:
             tree.add_branches(setup.retriever.retrieve(state, first_tokens), source=RETRIEVER)
             proposing[RETRIEVER] = time.perf_counter() - started
         return tree, proposing, root_pass
+
+    def _noise_at_depth(self, depth: int) -> torch.Tensor | None:
+        """The sampler's noise for the token a node at ``depth`` below the root holds
+        (depth 1: the token after the root), on the model's device; None without any."""
+        noise = self.sampler.noise(len(self.state.tokens) - 1 + depth, self.setup.runner.vocab_size)
+        return None if noise is None else noise.to(self.setup.runner.device)
+
+    def _draw_drafts(self, q: torch.Tensor, k: int, depth: int) -> list[int] | None:
+        """``k`` tokens from ``q`` without replacement for children at ``depth``
+        (their own stream of the sampler's numbers); None when greedy."""
+        if self.sampler.greedy:
+            return None
+        return self.sampler.without_replacement(q, k, len(self.state.tokens) - 1 + depth, STREAM_DRAFTS)
 
     def commit(self, tree: DraftTree, verdict: Verdict, hidden: torch.Tensor) -> tuple[list[int], list[int]]:
         """Make the step permanent: the KV keeps the root and the accepted path, the

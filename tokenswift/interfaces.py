@@ -88,6 +88,14 @@ def _no_root_pass() -> RootPass | None:
     return None
 
 
+def _no_noise(depth: int) -> torch.Tensor | None:
+    return None
+
+
+def _no_draws(q: torch.Tensor, k: int, depth: int) -> list[int] | None:
+    return None
+
+
 @attrs.frozen(kw_only=True, eq=False)
 class DraftInputs:
     """What a drafter may draft from.
@@ -98,10 +106,26 @@ class DraftInputs:
     however often it is called): the cache policy's view is brought up to date, and the
     pass runs unless the speculation policy judges it does not pay this step (then it
     returns None; with fixed trees it always runs).
+    noise: ``noise(depth)`` is the Gumbel noise [vocab] (float64) that the target's draw
+    of the token at ``depth`` below the root (depth 1: right after it) adds to its
+    scores, or None (greedy decoding, or a sampler without noise). A drafter that ranks
+    that depth's candidates by ``log q + noise`` proposes the token the target's own
+    draw lands on whenever its q agrees with the target's distribution near the top.
+
+    draw_drafts: ``draw_drafts(q, k, depth)`` draws k distinct tokens from ``q`` ([vocab],
+    summing to 1) without replacement, in order, for the children at ``depth`` of the
+    node being expanded (siblings' draws at one depth may share numbers: only one node
+    per depth is ever visited), or returns None (greedy decoding). A drafter returns
+    what it drew as :class:`~tokenswift.tree.SampledChildren` with ``q``, for the
+    ``rejection`` verifier; ``sampled`` says whether that verifier is the pipeline's
+    (otherwise coupled top-k picks, ranked with ``noise``, are what gets accepted).
     """
 
     parent_hidden: torch.Tensor | None = None
     root_pass: Callable[[], RootPass | None] = _no_root_pass
+    noise: Callable[[int], torch.Tensor | None] = _no_noise
+    draw_drafts: Callable[[torch.Tensor, int, int], list[int] | None] = _no_draws
+    sampled: bool = False
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -205,6 +229,10 @@ class Penalty(Component):
 
 
 class Verifier(Component):
+    #: True: drafters should draw their candidates from their q and say so
+    #: (:class:`~tokenswift.tree.SampledChildren`; ``DraftInputs.sampled``).
+    wants_sampled_drafts: ClassVar[bool] = False
+
     @abc.abstractmethod
     def verify(self, tree: DraftTree, scores: NodeScores, sampler: Sampler) -> Verdict:
         """``scores[node]`` gives a node's processed scores ([vocab]: penalty and warpers

@@ -256,7 +256,8 @@ class Pipeline:
         if costs is not None:
             costs.use_compile_calibration(decision.calibration)
         self.runner.allocate(self.kv_capacity(prompt_tokens, max_new_tokens))
-        return self._setup(AutoSpeculator(costs, speculation.max_nodes) if costs is not None else Speculator(),
+        speculator = AutoSpeculator(costs, speculation.max_nodes) if costs is not None else Speculator(speculation.max_nodes)
+        return self._setup(speculator,
                            ignore_eos=ignore_eos, compiled=decision.compiled)
 
     def _setup(self, speculator: Speculator, *, ignore_eos: bool, compiled: bool = False) -> DecodingSetup:
@@ -269,10 +270,11 @@ class Pipeline:
             components=self.components,
             scorer=self.scorer,
             speculator=speculator,
-            greedy=self.spec.sampling.greedy,
+            sampling=self.spec.sampling,
             eos=frozenset() if ignore_eos else frozenset(self.eos_token_ids()),
             spec=self.spec.to_dict(),
             compiled=compiled,
+            sampled_drafts=self.verifier.wants_sampled_drafts,
         )
 
     def start(

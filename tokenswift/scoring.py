@@ -88,6 +88,7 @@ class NodeScores:
         self.runner = runner
         self.scorer = scorer
         self.with_root = [node for node in with_root if node != 0]
+        self.committed_length = len(committed)
         window = scorer.window
         self._tail = list(committed[-window:]) if window else []
         self._logits: dict[int, torch.Tensor] = {}
@@ -95,6 +96,11 @@ class NodeScores:
 
     def __len__(self) -> int:
         return len(self.tree)
+
+    def position(self, node: int) -> int:
+        """The absolute position (index in the text) of the token drawn from this
+        node's scores: the root's is the first after the committed text."""
+        return self.committed_length + self.tree.depths[node]
 
     def context(self, node: int) -> torch.Tensor:
         """[1, W]: the last W tokens this node's penalty sees."""

@@ -133,6 +133,14 @@ class SamplingSpec:
     eta: float | None = attrs.field(
         default=None, converter=_number("eta", float), validator=_in_range("eta", 0, 1, low_open=True, high_open=True)
     )
+    # "coupled": Gumbel-max keyed by (seed, position), which drafters can couple to;
+    # "inverse-cdf": one uniform per token in order (checkpoints written before).
+    sampler: str = attrs.field(default="coupled")
+
+    @sampler.validator
+    def _check_sampler(self, attribute, value):
+        if value not in ("coupled", "inverse-cdf"):
+            raise SpecError(f"sampling.sampler must be one of ['coupled', 'inverse-cdf'], got {value!r}")
 
     def __attrs_post_init__(self):
         if self.greedy and (self.top_k or self.top_p or self.min_p or self.eta or self.temperature != 1.0):

@@ -275,12 +275,16 @@ class StepFacts:
 
 
 class Speculator:
-    """Fixed trees: every proposer proposes every step, every candidate is verified, a
+    """Fixed trees: every proposer proposes every step, every candidate is verified (the
+    first ``max_nodes`` of them, in the order proposed: the drafter's best first), a
     drafter that asks for a pass of the root gets it over any view (the whole context
     included), and nothing is learnt. The base of :class:`AutoSpeculator`, which
     chooses each step's tree (``speculation.tree = "auto"``)."""
 
     costs: CostModel | None = None
+
+    def __init__(self, max_nodes: int | None = None) -> None:
+        self.max_nodes = max_nodes
 
     def proposers(self) -> tuple[int, ...]:
         """The sources (:data:`~tokenswift.tree.DRAFTER`, :data:`~tokenswift.tree.RETRIEVER`)
@@ -294,6 +298,9 @@ class Speculator:
 
     def select(self, candidates: DraftTree, proposers: tuple[int, ...], context: int) -> Selection:
         """The tree to verify over ``context`` committed positions."""
+        if self.max_nodes is not None and len(candidates) - 1 > self.max_nodes:
+            # Nodes are numbered as added, every parent before its children: a prefix is a subtree.
+            return Selection(tree=candidates.subtree(range(self.max_nodes + 1)))
         return Selection(tree=candidates)
 
     def learn(self, facts: StepFacts) -> None:
@@ -309,8 +316,8 @@ class AutoSpeculator(Speculator):
     (0: plain steps only)."""
 
     def __init__(self, costs: CostModel, max_nodes: int) -> None:
+        super().__init__(max_nodes)
         self.costs = costs
-        self.max_nodes = max_nodes
         self.tracker = AcceptanceTracker()
         self.passes = PassChooser()
         self.gates = {DRAFTER: DraftGate(), RETRIEVER: DraftGate()}

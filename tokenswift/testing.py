@@ -16,7 +16,7 @@ import torch
 from tokenswift.model.loading import tiny_model
 from tokenswift.penalties.contextual import ContextualPenalty
 from tokenswift.penalties.none import NoPenalty
-from tokenswift.sampling import Sampler
+from tokenswift.sampling import make_sampler
 from tokenswift.scoring import Scorer
 from tokenswift.spec import SamplingSpec
 
@@ -86,14 +86,14 @@ def reference_tokens(model: torch.nn.Module, prompt: list[int], max_new_tokens: 
     """Plain autoregressive decoding that recomputes the whole sequence every step (no
     KV store, no tree, no drafts), scoring each position with ``scorer`` and drawing
     as the pipeline does. EOS is ignored. This is what every pipeline must emit."""
-    sampler = Sampler(greedy, torch.Generator(device="cpu").manual_seed(seed))
+    sampler = make_sampler(SamplingSpec(greedy=True) if greedy else scorer.sampling, seed=seed)
     param = next(model.parameters())
     dtype = torch.float64 if param.dtype == torch.float64 else torch.float32
     tokens = list(prompt)
     for _ in range(max_new_tokens):
         logits = model(torch.tensor([tokens], device=param.device)).logits[:, -1].to(dtype)
         scores = scorer(scorer.context(tokens, device=param.device), logits)
-        tokens.append(sampler.draw(scores[0]))
+        tokens.append(sampler.draw(scores[0], len(tokens)))
     return tokens[len(prompt) :]
 
 
@@ -117,8 +117,8 @@ def reference_generate(
 
 def assert_lossless(pipe, prompt: list[int], max_new_tokens: int, seed: int = 0):
     """Generate with ``pipe`` and check every token against :func:`reference_tokens`
-    (greedy: the identical sequence; sampling: the identical draws, since the pipeline
-    draws exactly one uniform per emitted token, in order). Returns the result."""
+    (greedy: the identical sequence; sampling: the identical draws, since each token's
+    draw depends only on its scores and (seed, position)). Returns the result."""
     result = pipe.generate(prompt, max_new_tokens, seed=seed, ignore_eos=True)
     expected = reference_tokens(pipe.model, prompt, max_new_tokens, pipe.scorer, greedy=pipe.spec.sampling.greedy, seed=seed)
     if result.tokens != expected:

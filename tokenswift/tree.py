@@ -31,10 +31,27 @@ class Branch:
     confidence: Sequence[float | None] | None = None
 
 
+@attrs.frozen(eq=False)
+class SampledChildren:
+    """Children drawn from a distribution, for verifiers that need to know it (the
+    ``rejection`` verifier): below the node reached by ``path`` (tokens from depth 1; empty:
+    the root), ``tokens`` drawn one after another without replacement from ``q``
+    ([vocab], the drafter's processed distribution there), in the order drawn, each with
+    an optional confidence."""
+
+    path: Sequence[int]
+    q: torch.Tensor
+    tokens: Sequence[int]
+    confidence: Sequence[float | None] | None = None
+
+
 @attrs.define(eq=False, repr=False)
 class DraftTree:
     """tokens[i], parents[i] (-1 for the root), depths[i] (0 for the root), sources[i]
-    (DRAFTER or RETRIEVER; the first branch to add a node owns it) and confidence[i]."""
+    (DRAFTER or RETRIEVER; the first branch to add a node owns it) and confidence[i];
+    proposals[node]: the distribution ``sampled[node]`` (child nodes, in the order
+    drawn) were drawn from, for nodes whose children were sampled
+    (:class:`SampledChildren`)."""
 
     tokens: list[int]
     parents: list[int]
@@ -42,6 +59,8 @@ class DraftTree:
     sources: list[int]
     confidence: list[float | None]
     _children: list[dict[int, int]] = attrs.field(factory=list)
+    proposals: dict[int, torch.Tensor] = attrs.field(factory=dict)
+    sampled: dict[int, list[int]] = attrs.field(factory=dict)
 
     def __repr__(self) -> str:
         return f"DraftTree(nodes={len(self.tokens)}, depth={max(self.depths)})"
@@ -95,8 +114,26 @@ class DraftTree:
         return node
 
     def add_branches(self, branches: Iterable, source: int = DRAFTER) -> None:
+        """Add branches (token lists, :class:`Branch`) and :class:`SampledChildren`."""
         for branch in branches:
-            self.add_branch(branch, source)
+            if isinstance(branch, SampledChildren):
+                self.add_sampled(branch, source)
+            else:
+                self.add_branch(branch, source)
+
+    def add_sampled(self, children: SampledChildren, source: int = DRAFTER) -> None:
+        parent = self.add_branch(list(children.path), source) if len(children.path) else 0
+        if parent in self.proposals:
+            raise ValueError(f"node {parent} already has sampled children: one distribution per node")
+        self.proposals[parent] = children.q
+        order = self.sampled[parent] = []
+        confidence = children.confidence
+        for i, token in enumerate(children.tokens):
+            value = None if confidence is None else confidence[i]
+            child = self.add_branch(Branch([token], [value]), source, parent=parent)
+            if child in order:
+                raise ValueError(f"token {token} drawn twice below node {parent}: draws are without replacement")
+            order.append(child)
 
     def path(self, node: int) -> list[int]:
         """Node indices from the first node below the root down to ``node``."""
@@ -132,6 +169,17 @@ class DraftTree:
             tree.confidence.append(self.confidence[old])
             tree._children.append({})
             tree._children[parent][self.tokens[old]] = len(tree.tokens) - 1
+        for old, q in self.proposals.items():
+            if old in index:
+                tree.proposals[index[old]] = q
+                # What was drawn, as far as it was kept: a cut of the draws in their order
+                # (see the rejection verifier for why no other cut is allowed).
+                kept = []
+                for child in self.sampled[old]:
+                    if child not in index:
+                        break
+                    kept.append(index[child])
+                tree.sampled[index[old]] = kept
         return tree
 
     def mask(self, device=None) -> torch.Tensor:

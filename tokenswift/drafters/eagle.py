@@ -29,6 +29,7 @@ import attrs
 import torch
 
 from tokenswift.drafters.feature_net import FeatureNet, find_shipped_drafter
+from tokenswift.drafters.head_based import coupled_rating
 from tokenswift.errors import SpecError
 from tokenswift.interfaces import Drafter
 from tokenswift.tree import DRAFTER, Branch
@@ -100,6 +101,7 @@ class EagleDrafter(Drafter):
         draft_tokens = self.net.draft_tokens[: options.vocab]
         self.head = runner.lm_head.weight.detach()[draft_tokens].to(torch.float32)  # [V', H]
         self.draft_tokens = draft_tokens.tolist()
+        self.draft_token_ids = draft_tokens.to(runner.device)  # [V'] target ids of the draft vocabulary
         # target id -> row of the draft vocabulary; ids outside it -> the extra last column
         self.draft_index = torch.full((runner.vocab_size,), len(draft_tokens), dtype=torch.long, device=runner.device)
         self.draft_index[draft_tokens] = torch.arange(len(draft_tokens), device=runner.device)
@@ -185,12 +187,17 @@ class EagleDrafter(Drafter):
         and drafting them costs time), at most ``depth``."""
         return min(self.options.depth, max(self.verified_depths) + 1)
 
-    def _ranked(self, features: torch.Tensor, contexts: list[list[int]], k: int) -> tuple[list[list[int]], list[list[float]]]:
+    def _ranked(
+        self, features: torch.Tensor, contexts: list[list[int]], k: int, noise: torch.Tensor | None = None
+    ) -> tuple[list[list[int]], list[list[float]]]:
         """features: [n, H]; contexts: per row the tokens before the drafted one (all of
         one length) -> per row the k best draft tokens (target ids) and their
         probabilities, scored as verification will score them: with ``penalize``, the
         pipeline's penalty and warpers over each row's context, applied within the
-        draft vocabulary (ids outside it share one extra column)."""
+        draft vocabulary (ids outside it share one extra column). ``noise`` [vocab]:
+        the sampler's noise at the rows' depth (siblings share it); with it, the rows
+        are ranked and rated coupled to the target's draw
+        (:func:`~tokenswift.drafters.head_based.coupled_rating`)."""
         logits = features @ self.head.T  # [n, V']
         scorer = self.context.scorer
         if self.options.penalize and scorer is not None:
@@ -199,9 +206,12 @@ class EagleDrafter(Drafter):
             tails = torch.tensor([c[-window:] if window else [] for c in contexts], dtype=torch.long, device=logits.device)
             logits = scorer(self.draft_index[tails], extended)[:, :-1]
         probs = logits.softmax(-1)
-        top = probs.topk(min(k, probs.shape[-1]), dim=-1)
+        ranking = probs
+        if noise is not None:
+            ranking, probs = coupled_rating(probs, noise[self.draft_token_ids])
+        top = ranking.topk(min(k, ranking.shape[-1]), dim=-1)
         ids = [[self.draft_tokens[i] for i in row] for row in top.indices.tolist()]
-        return ids, top.values.tolist()
+        return ids, probs.gather(-1, top.indices).tolist()
 
     @torch.inference_mode()
     def propose(self, state, inputs):
@@ -211,7 +221,7 @@ class EagleDrafter(Drafter):
         root_feature, root_position = self._commit_pending()
         window = self.context.scorer.window if self.context.scorer is not None else 0
         tail = state.tokens[-window:] if window else []  # what the penalty sees of the committed text
-        ids, probs = self._ranked(root_feature[None], [tail], options.children)
+        ids, probs = self._ranked(root_feature[None], [tail], options.children, inputs.noise(1))
         # A candidate the warpers filtered out (probability 0) can never be drawn: dropped.
         level = [_Node([t], [p], p, root_feature, []) for t, p in zip(ids[0], probs[0]) if p > 0]
         drafted = list(level)
@@ -237,7 +247,7 @@ class EagleDrafter(Drafter):
             all_keys = torch.cat([self.keys, torch.stack(scratch_keys, 2)], 2)
             all_values = torch.cat([self.values, torch.stack(scratch_values, 2)], 2)
             out = self.net.attend(x, positions, all_keys, all_values, mask)[0]  # [w, H]
-            ids, probs = self._ranked(out, [tail + n.tokens for n in expand], options.children)
+            ids, probs = self._ranked(out, [tail + n.tokens for n in expand], options.children, inputs.noise(depth + 1))
             level = []
             for row, node in enumerate(expand):
                 ancestors = node.ancestors + [first + row]

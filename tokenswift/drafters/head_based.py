@@ -82,11 +82,17 @@ class HeadDrafter(Drafter):
         return len(self.paths)
 
     @staticmethod
-    def candidates(paths, widths, ranking: torch.Tensor, probs: torch.Tensor) -> list[Branch]:
+    def candidates(paths, widths, ranking: torch.Tensor, probs: torch.Tensor, noise=None) -> list[Branch]:
         """The template's branches from per-depth candidates: ``ranking`` [depth, vocab]
-        orders each depth's tokens, ``probs`` [depth, vocab] gives their confidences."""
+        orders each depth's tokens, ``probs`` [depth, vocab] gives their confidences.
+        ``noise(depth)``: the sampler's noise for that depth (None: none); where there
+        is some, a depth's tokens are ranked by their log-probability plus it (the
+        draw the target makes with the same noise) and rated by :func:`coupled_rating`."""
         tokens, confidences = [], []
-        for row, prob_row, width in zip(ranking, probs, widths):
+        for depth, (row, prob_row, width) in enumerate(zip(ranking, probs, widths), start=1):
+            depth_noise = None if noise is None else noise(depth)
+            if depth_noise is not None:
+                row, prob_row = coupled_rating(prob_row, depth_noise)
             top = row.topk(width).indices
             tokens.append(top.tolist())
             confidences.append(prob_row[top].tolist())
@@ -97,10 +103,24 @@ class HeadDrafter(Drafter):
         """hidden: [hidden_size] -> [num_heads, vocab], the heads' logits (the model's LM head)."""
         return self.runner.logits(self.heads(hidden))
 
-    def from_parent(self, parent_hidden: torch.Tensor | None, paths, widths) -> list[Branch]:
+    def from_parent(self, parent_hidden: torch.Tensor | None, paths, widths, noise=None) -> list[Branch]:
         """Branches from the heads on the hidden state that gave the root token (head k
-        predicts depth k), with the heads' probabilities as confidences."""
+        predicts depth k), with the heads' probabilities as confidences (coupled to the
+        sampler's ``noise`` where there is some)."""
         if parent_hidden is None:
             return []
         logits = self._head_logits(parent_hidden)[: len(widths)]
-        return self.candidates(paths, widths, logits, logits.float().softmax(-1))
+        return self.candidates(paths, widths, logits, logits.float().softmax(-1), noise)
+
+
+def coupled_rating(probs: torch.Tensor, noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A depth's ranking and confidences under the coupled sampler. probs: [V] the
+    draft's q; noise: [V] the Gumbel noise the target's draw there adds.
+
+    Ranking: ``log q + noise``, whose top is ``argmax(log q + G)``, the token the target's
+    ``argmax(log p + G)`` lands on whenever p and q agree near the top. Confidence:
+    ``softmax(log q + noise)``, the chance that token wins were the target q plus a
+    fresh Gumbel perturbation as large again: above q for the coupled favourite, below
+    it for the rest (the acceptance tracker corrects the estimate by what is accepted)."""
+    ranking = probs.double().log() + noise.to(probs.device)
+    return ranking, ranking.softmax(-1).to(probs.dtype)

@@ -56,7 +56,7 @@ class TokenSwiftDrafter(HeadDrafter):
     def propose(self, state, inputs):
         root = inputs.root_pass()
         if root is None:  # no drafting pass this step
-            return self.from_parent(inputs.parent_hidden, self.parent_paths, self.parent_widths)
+            return self.from_parent(inputs.parent_hidden, self.parent_paths, self.parent_widths, inputs.noise)
         first = root.output.logits  # [1, vocab]: the LM head on the root, depth 1
         scorer = self.context.scorer
         context = scorer.context(state.tokens, device=first.device)
@@ -72,4 +72,4 @@ class TokenSwiftDrafter(HeadDrafter):
         heads = self._head_logits(root.output.hidden[0]).to(first.dtype)
         ranking = torch.cat([ranking, heads])
         probs = torch.cat([chance, heads.float().softmax(-1).to(chance.dtype)])
-        return self.candidates(self.paths, self.widths, ranking[: len(self.widths)], probs[: len(self.widths)])
+        return self.candidates(self.paths, self.widths, ranking[: len(self.widths)], probs[: len(self.widths)], inputs.noise)

@@ -32,6 +32,7 @@ from tokenswift.drafters.template import index_paths
 from tokenswift.errors import SpecError
 from tokenswift.pipeline import Pipeline
 from tokenswift.registry import build_registry, get_plugin_manager
+from tokenswift.sampling import CoupledSampler
 from tokenswift.scoring import Scorer
 from tokenswift.spec import PipelineSpec
 
@@ -57,8 +58,14 @@ def replay(
     *,
     penalized_heads: bool = False,
     chunk: int = 256,
+    noise=None,
 ) -> dict[str, torch.Tensor]:
     """Ranks of the drawn tokens ``tokens[start:]`` (m of them) of one generation.
+
+    ``noise(position)``: the coupled sampler's Gumbel noise [vocab] of the run that made
+    the text (None: greedy, or the inverse-CDF sampler); with it, every rank is taken as
+    the drafters rank under coupled sampling, by log-probability plus the noise of the
+    token's position.
 
     model: the causal LM; heads: its :class:`~tokenswift.drafters.draft_heads.DraftHeads`;
     scorer: the scorer (penalty and warpers) of the pipeline that made the text.
@@ -91,8 +98,8 @@ def replay(
             if penalized_heads:
                 penalised_heads.append(scorer.penalize(context.expand(len(head_row), -1), head_row))
         scores = torch.stack(scores)
-        out["target"].append(rank_of(scores, drawn))
-        out["lm"].append(rank_of(logits, drawn))
+        out["target"].append(rank_of(_coupled(scores, range(begin, end), noise), drawn))
+        out["lm"].append(rank_of(_coupled(logits, range(begin, end), noise), drawn))
         out["p_max"].append(scores.softmax(-1).max(-1).values.cpu())
         sources = {"heads": head_logits}
         if penalized_heads:
@@ -102,9 +109,19 @@ def replay(
             for k in range(heads.num_heads):
                 later = torch.tensor(tokens[begin + k + 1 : end + k + 1], dtype=torch.long)  # token t+k+2
                 pad = torch.full((end - begin - len(later),), MISS)
-                ranks.append(torch.cat([rank_of(source[: len(later), k], later), pad]))
+                rows = _coupled(source[: len(later), k], range(begin + k + 1, begin + k + 1 + len(later)), noise)
+                ranks.append(torch.cat([rank_of(rows, later), pad]))
             out[key].append(torch.stack(ranks))
     return {key: torch.cat(parts, dim=1 if key.startswith("heads") else 0) for key, parts in out.items()}
+
+
+def _coupled(rows: torch.Tensor, positions, noise) -> torch.Tensor:
+    """rows [c, vocab] as a drafter ranks them under the coupled sampler: its
+    probabilities (float32, as the drafters compute them) in log space plus each
+    position's noise; unchanged without noise."""
+    if noise is None or len(rows) == 0:
+        return rows
+    return rows.float().softmax(-1).double().log() + torch.stack([noise(p) for p in positions]).to(rows.device)
 
 
 def depth_ranks(first: torch.Tensor, deeper: Sequence[torch.Tensor], depth: int) -> torch.Tensor:
@@ -202,7 +219,11 @@ def fit_for_heads(
     for seed in seeds:
         stream = (lambda chunk: progress(len(chunk.tokens))) if progress is not None else None
         result = ar.generate(list(prompt), new_tokens, seed=seed, ignore_eos=True, stream=stream)
-        replayed = replay(model, heads, list(prompt) + result.tokens, len(prompt), ar.scorer)
+        noise = None
+        if not spec.sampling.greedy and spec.sampling.sampler == "coupled":
+            sampler, vocab = CoupledSampler(seed), ar.runner.vocab_size
+            noise = lambda position, sampler=sampler: sampler.noise(position, vocab)  # noqa: E731
+        replayed = replay(model, heads, list(prompt) + result.tokens, len(prompt), ar.scorer, noise=noise)
         ranks[seed] = tokenswift_ranks(replayed, depth)
         logger.info("seed %d: %d tokens replayed", seed, len(result.tokens))
     per_seed = []

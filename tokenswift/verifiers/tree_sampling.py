@@ -24,7 +24,7 @@ class TreeSamplingVerifier(Verifier):
         accepted: list[int] = []
         node = 0
         while True:
-            token = sampler.draw(scores[node])
+            token = sampler.draw(scores[node], scores.position(node))
             child = tree.children(node).get(token)
             if child is None:
                 return Verdict(accepted=accepted, bonus=token)
