@@ -8,7 +8,8 @@ The held-out 2,048-token prompt (the bundled *Wuthering Heights*, never trained 
 seed 0, with the presets' penalty; greedy decoding, and the paper's sampling (T = 1,
 min-p 0.1) with each sampler: ``coupled`` (the default: Gumbel-max keyed by position,
 the drafters rank by log q plus the same noise) and ``inverse-cdf`` (the sampler before
-it, drafts independent of the draw). With ``--drafters-alone`` each drafter runs without
+it, drafts independent of the draw); and ``rejection`` (the rejection verifier, drafts
+drawn from q where the drafter can: ``eagle``). With ``--drafters-alone`` each drafter runs without
 n-gram reuse and over the full cache; otherwise the presets as shipped (retriever and
 cache included; ``tokenswift``'s pass every step). Writes acceptance.json and
 acceptance.md, and prints each row as it is measured.
@@ -34,6 +35,7 @@ DECODINGS = {
     "greedy": {"greedy": True},
     "coupled": {"sampler": "coupled"},  # the paper's sampling, drawn by each sampler
     "inverse-cdf": {"sampler": "inverse-cdf"},
+    "rejection": {"sampler": "coupled", "verifier": "rejection"},  # drafts drawn from q, rejection sampling
 }
 
 
@@ -41,6 +43,10 @@ def spec_for(name: str, decoding: dict, *, alone: bool, max_nodes: int) -> dict:
     spec = {"preset": name, "speculation": {"tree": "fixed", "max_nodes": max_nodes}}
     if alone:
         spec.update(drafter={"name": name}, retriever={"name": "none"}, cache={"name": "full"})
+    decoding = dict(decoding)
+    verifier = decoding.pop("verifier", None)
+    if verifier is not None:
+        spec["verifier"] = {"name": verifier}
     if decoding.get("greedy"):
         spec["sampling"] = decoding
     else:

@@ -79,7 +79,7 @@ def test_grid_errors(tmp_path, capsys):
     assert "1 invalid cell(s): [drafter.name=nope] unknown drafter 'nope'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["token_reuse", "penalty", "cache", "drafter", "tree"])
+@pytest.mark.parametrize("name", ["token_reuse", "penalty", "cache", "drafter", "tree", "sampler"])
 def test_shipped_grids_are_valid(name):
     from pathlib import Path
 

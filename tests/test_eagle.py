@@ -37,6 +37,19 @@ def test_training_teaches_the_drafter_and_its_drafts_are_accepted(tmp_path):
     assert result.stats.tokens_per_step > 3  # several levels deep are accepted: the levels chain right
 
 
+def test_training_can_start_from_a_trained_network(tmp_path):
+    """--init: fine-tuning (on a self-distillation corpus, say) starts from a trained
+    layer and keeps its draft vocabulary."""
+    model = looping_model()
+    first = tmp_path / "first"
+    train_drafter(model, cyclic_corpus(), first, DrafterTrainConfig(steps=60, **SMALL))
+    again = train_drafter(model, cyclic_corpus(), tmp_path / "again", DrafterTrainConfig(steps=1, init=str(first), **SMALL))
+    assert min(again["held_out_agreement"]["top1"]) > 0.9  # one step from the trained layer, not from scratch
+    fresh = train_drafter(model, cyclic_corpus(), tmp_path / "fresh", DrafterTrainConfig(steps=1, **SMALL))
+    assert min(fresh["held_out_agreement"]["top1"]) < 0.9
+    assert torch.equal(FeatureNet.from_pretrained(tmp_path / "again").draft_tokens, FeatureNet.from_pretrained(first).draft_tokens)
+
+
 @pytest.mark.parametrize("arch", ["llama-gqa", "qwen2"])
 def test_the_draft_layer_stays_in_step_with_the_committed_text(arch, tmp_path):
     """After steps of generation, the running drafter proposes what a fresh drafter

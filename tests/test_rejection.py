@@ -189,6 +189,20 @@ def test_rejection_sampling_is_exactly_autoregressive(model):
     assert point_masses > 0
 
 
+@pytest.mark.parametrize(
+    "eagle", [{"depth": 1, "children": 2}, {"depth": 2, "width": 1, "children": 1, "threshold": 0.0}],
+    ids=["two children drawn", "a chain drawn"],
+)
+def test_the_eagle_drafter_draws_from_its_q_and_stays_exact(model, eagle):
+    spec = {**SPEC, "drafter": {"name": "eagle", "weights": "random", **eagle}, "retriever": {"name": "none"}}
+    pipe = Pipeline.from_spec(spec, model, plugin_manager=plugin_manager())
+    run = pipe.start(PROMPT, LONGEST, seed=0, ignore_eos=True)
+    run.prefill()
+    tree, _, _ = run.propose()
+    assert tree.sampled[0] and 0 in tree.proposals  # drawn, and recorded with its q
+    assert_exact(pipe)
+
+
 @pytest.mark.parametrize("bug", ["no residual renormalisation", "sibling left in q", "q before the warpers"])
 def test_each_planted_bug_is_caught(model, monkeypatch, bug):
     if bug == "no residual renormalisation":

@@ -19,6 +19,7 @@ from tokenswift.commands import (
     bench,
     calibrate,
     components,
+    distill,
     fit_tree,
     generate,
     train_drafter,
@@ -30,7 +31,7 @@ EXIT_USAGE = 2
 # Each command's module by its name on the command line, in the order --help lists them.
 COMMANDS = {
     module.NAME: module
-    for module in (generate, train_heads, train_drafter, fit_tree, bench, ablate, calibrate, components)
+    for module in (generate, distill, train_heads, train_drafter, fit_tree, bench, ablate, calibrate, components)
 }
 
 

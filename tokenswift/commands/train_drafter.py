@@ -42,6 +42,10 @@ def add_arguments(parser) -> None:
         "--penalty", type=float, default=default["penalty"],
         help="train on distributions after this contextual penalty, as the presets sample (1.0: raw)",
     )
+    parser.add_argument(
+        "--init", default=default["init"],
+        help="start from this trained network (a train-drafter directory, or 'shipped') instead of a fresh one",
+    )
     add_training_schedule(parser, default)
 
 
@@ -67,6 +71,7 @@ def run(args, argv: list[str] | None = None) -> int:
             seed=args.seed,
             checkpoint_every=args.checkpoint_every,
             holdout=tuple(name.strip() for name in args.holdout.split(",") if name.strip()),
+            init=args.init,
         )
     except ValueError as exc:
         raise CliError(f"train-drafter: {exc}") from None

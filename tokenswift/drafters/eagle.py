@@ -32,7 +32,7 @@ from tokenswift.drafters.feature_net import FeatureNet, find_shipped_drafter
 from tokenswift.drafters.head_based import coupled_rating
 from tokenswift.errors import SpecError
 from tokenswift.interfaces import Drafter
-from tokenswift.tree import DRAFTER, Branch
+from tokenswift.tree import DRAFTER, Branch, SampledChildren
 from tokenswift.validation import boolean, int_at_least, integer, weights_source
 
 logger = logging.getLogger(__name__)
@@ -188,8 +188,8 @@ class EagleDrafter(Drafter):
         return min(self.options.depth, max(self.verified_depths) + 1)
 
     def _ranked(
-        self, features: torch.Tensor, contexts: list[list[int]], k: int, noise: torch.Tensor | None = None
-    ) -> tuple[list[list[int]], list[list[float]]]:
+        self, features: torch.Tensor, contexts: list[list[int]], k: int, noise: torch.Tensor | None = None, draw=None
+    ) -> tuple[list[list[int]], list[list[float]], torch.Tensor | None]:
         """features: [n, H]; contexts: per row the tokens before the drafted one (all of
         one length) -> per row the k best draft tokens (target ids) and their
         probabilities, scored as verification will score them: with ``penalize``, the
@@ -197,7 +197,9 @@ class EagleDrafter(Drafter):
         draft vocabulary (ids outside it share one extra column). ``noise`` [vocab]:
         the sampler's noise at the rows' depth (siblings share it); with it, the rows
         are ranked and rated coupled to the target's draw
-        (:func:`~tokenswift.drafters.head_based.coupled_rating`)."""
+        (:func:`~tokenswift.drafters.head_based.coupled_rating`). ``draw(q, k)``: draw
+        the k tokens from each row's q instead (the rejection verifier's drafts), and
+        return the rows' q over the whole vocabulary as well."""
         logits = features @ self.head.T  # [n, V']
         scorer = self.context.scorer
         if self.options.penalize and scorer is not None:
@@ -206,12 +208,17 @@ class EagleDrafter(Drafter):
             tails = torch.tensor([c[-window:] if window else [] for c in contexts], dtype=torch.long, device=logits.device)
             logits = scorer(self.draft_index[tails], extended)[:, :-1]
         probs = logits.softmax(-1)
+        if draw is not None:  # drawn from q, for the rejection verifier: (ids, probs, q over the whole vocabulary)
+            q = probs.double().new_zeros(len(probs), self.runner.vocab_size).index_copy_(1, self.draft_token_ids, probs.double())
+            q = q / q.sum(-1, keepdim=True)  # a distribution to float64 precision: what is drawn from and tested against
+            ids = [draw(row, k) for row in q]
+            return ids, [[float(row[t]) for t in row_ids] for row, row_ids in zip(q, ids)], q
         ranking = probs
         if noise is not None:
             ranking, probs = coupled_rating(probs, noise[self.draft_token_ids])
         top = ranking.topk(min(k, ranking.shape[-1]), dim=-1)
         ids = [[self.draft_tokens[i] for i in row] for row in top.indices.tolist()]
-        return ids, probs.gather(-1, top.indices).tolist()
+        return ids, probs.gather(-1, top.indices).tolist(), None
 
     @torch.inference_mode()
     def propose(self, state, inputs):
@@ -221,7 +228,9 @@ class EagleDrafter(Drafter):
         root_feature, root_position = self._commit_pending()
         window = self.context.scorer.window if self.context.scorer is not None else 0
         tail = state.tokens[-window:] if window else []  # what the penalty sees of the committed text
-        ids, probs = self._ranked(root_feature[None], [tail], options.children, inputs.noise(1))
+        draw = (lambda depth: lambda q, k: inputs.draw_drafts(q, k, depth)) if inputs.sampled else (lambda depth: None)
+        ids, probs, q = self._ranked(root_feature[None], [tail], options.children, inputs.noise(1), draw(1))
+        sampled = [] if q is None else [SampledChildren([], q[0], ids[0], probs[0])]
         # A candidate the warpers filtered out (probability 0) can never be drawn: dropped.
         level = [_Node([t], [p], p, root_feature, []) for t, p in zip(ids[0], probs[0]) if p > 0]
         drafted = list(level)
@@ -247,7 +256,11 @@ class EagleDrafter(Drafter):
             all_keys = torch.cat([self.keys, torch.stack(scratch_keys, 2)], 2)
             all_values = torch.cat([self.values, torch.stack(scratch_values, 2)], 2)
             out = self.net.attend(x, positions, all_keys, all_values, mask)[0]  # [w, H]
-            ids, probs = self._ranked(out, [tail + n.tokens for n in expand], options.children, inputs.noise(depth + 1))
+            ids, probs, q = self._ranked(
+                out, [tail + n.tokens for n in expand], options.children, inputs.noise(depth + 1), draw(depth + 1)
+            )
+            if q is not None:
+                sampled.extend(SampledChildren(n.tokens, q[row], ids[row], probs[row]) for row, n in enumerate(expand))
             level = []
             for row, node in enumerate(expand):
                 ancestors = node.ancestors + [first + row]
@@ -256,5 +269,7 @@ class EagleDrafter(Drafter):
                         path, confidence = node.tokens + [token], node.confidence + [p]
                         level.append(_Node(path, confidence, node.chance * p, out[row], ancestors))
             drafted.extend(level)
+        if inputs.sampled:  # every drawn child recorded with its q: the tree is exactly what was drawn
+            return sampled
         drafted.sort(key=lambda n: -n.chance)  # best first
         return [Branch(n.tokens, n.confidence) for n in drafted]

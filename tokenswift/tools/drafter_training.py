@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from tokenswift.drafters.feature_net import FeatureNet, draft_vocabulary
+from tokenswift.drafters.feature_net import FeatureNet, draft_vocabulary, find_shipped_drafter
 from tokenswift.errors import TokenswiftError
 from tokenswift.tools.training import Corpus, TrainingState, base_hidden, lr_factor, sample_windows
 
@@ -69,6 +69,9 @@ class DrafterTrainConfig:
     eval_windows: int = attrs.field(default=16, validator=attrs.validators.ge(1))
     eval_depth: int = attrs.field(default=4, validator=attrs.validators.ge(1))
     holdout: tuple[str, ...] = ("wuthering_heights",)
+    # Start from a trained network (a directory from train-drafter, or "shipped": the one
+    # shipped for the model) instead of a fresh one; its draft vocabulary is kept.
+    init: str | None = None
 
 
 # -- phase 1: the target's features ---------------------------------------------------
@@ -180,9 +183,17 @@ def train_drafter(
     feature_seconds = time.perf_counter() - started_features
 
     vocab_size = model.get_output_embeddings().weight.shape[0]
-    draft_tokens, coverage = draft_vocabulary(corpus.train, vocab_size, config.draft_vocab)
-    net = FeatureNet.for_model(model, draft_tokens).float()
-    net.initialise(seed=config.seed)
+    if config.init is None:
+        draft_tokens, coverage = draft_vocabulary(corpus.train, vocab_size, config.draft_vocab)
+        net = FeatureNet.for_model(model, draft_tokens).float()
+        net.initialise(seed=config.seed)
+    else:
+        source = find_shipped_drafter(model) if config.init == "shipped" else Path(config.init)
+        if source is None:
+            raise TokenswiftError("--init shipped: no drafter is shipped for this model")
+        net = FeatureNet.from_pretrained(source, model).float()
+        counts = torch.bincount(corpus.train, minlength=vocab_size)
+        coverage = float(counts[net.draft_tokens].sum() / counts.sum())
     net.train()
     optimizer = torch.optim.AdamW(net.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, config))

@@ -62,12 +62,31 @@ class Corpus:
 
 
 def read_corpus(path: str | os.PathLike, tokenizer, holdout: tuple[str, ...]) -> Corpus:
-    """Tokenize every book; the ones whose ``id`` is in ``holdout`` go to ``held_out``
-    (when none matches, the last 5% of the text is held out instead)."""
+    """Tokenize every book (of a JSON Lines file, or of every ``*.jsonl`` file in a
+    directory: a self-distillation corpus's shards, :mod:`tokenswift.tools.self_distill`);
+    the ones whose ``id`` is in ``holdout`` go to ``held_out`` (when none matches, the
+    last 5% of the text is held out instead)."""
     path = Path(path)
-    if not path.is_file():
-        raise TokenswiftError(f"training data not found: {path}")
+    files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
+    if not files or not all(f.is_file() for f in files):
+        raise TokenswiftError(f"training data not found: {path} (a JSON Lines file, or a directory of them)")
     train, held, train_ids, held_ids = [], [], [], []
+    for file in files:
+        _read_books(file, tokenizer, holdout, (train, held, train_ids, held_ids))
+    if not train:
+        raise TokenswiftError(f"{path}: no training text left after holding out {list(holdout)}")
+    train_tokens = torch.cat(train)
+    if held:
+        held_tokens = torch.cat(held)
+    else:
+        cut = int(len(train_tokens) * 0.95)
+        train_tokens, held_tokens = train_tokens[:cut], train_tokens[cut:]
+        held_ids = ["last 5%"]
+    return Corpus(train=train_tokens, held_out=held_tokens, train_ids=tuple(train_ids), held_out_ids=tuple(held_ids))
+
+
+def _read_books(path: Path, tokenizer, holdout: tuple[str, ...], into) -> None:
+    train, held, train_ids, held_ids = into
     with path.open(encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
@@ -81,16 +100,6 @@ def read_corpus(path: str | os.PathLike, tokenizer, holdout: tuple[str, ...]) ->
             name = str(record.get("id", number))
             (held if name in holdout else train).append(torch.tensor(ids, dtype=torch.long))
             (held_ids if name in holdout else train_ids).append(name)
-    if not train:
-        raise TokenswiftError(f"{path}: no training text left after holding out {list(holdout)}")
-    train_tokens = torch.cat(train)
-    if held:
-        held_tokens = torch.cat(held)
-    else:
-        cut = int(len(train_tokens) * 0.95)
-        train_tokens, held_tokens = train_tokens[:cut], train_tokens[cut:]
-        held_ids = ["last 5%"]
-    return Corpus(train=train_tokens, held_out=held_tokens, train_ids=tuple(train_ids), held_out_ids=tuple(held_ids))
 
 
 def sample_windows(tokens: torch.Tensor, count: int, length: int, generator: torch.Generator) -> torch.Tensor:
