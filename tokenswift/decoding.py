@@ -36,7 +36,9 @@ import torch
 
 from tokenswift.checkpoint import Checkpoint
 from tokenswift.errors import NonFiniteScoresError
-from tokenswift.interfaces import CachePolicy, Component, DecodeState, Drafter, DraftInputs, Retriever, RootPass, StepOutcome, Verdict, Verifier
+from tokenswift.interfaces import (
+    CachePolicy, Component, DecodeState, Drafter, DraftInputs, Retriever, RootPass, StepOutcome, Verdict, Verifier,
+)
 from tokenswift.model.kv import FullView
 from tokenswift.model.runner import PrefilledPrompt, Runner
 from tokenswift.sampling import STREAM_DRAFTS, make_sampler

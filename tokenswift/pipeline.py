@@ -21,9 +21,8 @@ from typing import Any
 import attrs
 import torch
 
-from tokenswift import distributed
+from tokenswift import compiling, distributed
 from tokenswift.checkpoint import Checkpoint
-from tokenswift import compiling
 from tokenswift.calibration import calibration_for
 from tokenswift.costs import CostModel
 from tokenswift.decoding import DecodingSetup, Generation
@@ -257,8 +256,7 @@ class Pipeline:
             costs.use_compile_calibration(decision.calibration)
         self.runner.allocate(self.kv_capacity(prompt_tokens, max_new_tokens))
         speculator = AutoSpeculator(costs, speculation.max_nodes) if costs is not None else Speculator(speculation.max_nodes)
-        return self._setup(speculator,
-                           ignore_eos=ignore_eos, compiled=decision.compiled)
+        return self._setup(speculator, ignore_eos=ignore_eos, compiled=decision.compiled)
 
     def _setup(self, speculator: Speculator, *, ignore_eos: bool, compiled: bool = False) -> DecodingSetup:
         return DecodingSetup(
