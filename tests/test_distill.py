@@ -43,3 +43,29 @@ def test_distill_refuses_bad_sizes_with_one_line(tmp_path, model_dir, capsys):
                  "--batch", "0"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "batch" in err
+
+
+def test_distill_chat_shards_prompt_through_the_tokenizers_template(tmp_path, model_dir, capsys):
+    import shutil
+
+    chat_dir = tmp_path / "chat-model"
+    shutil.copytree(model_dir, chat_dir)
+    tokenizer = word_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}a dog {{ m['content'] }} a dog {% endfor %}{% if add_generation_prompt %}on{% endif %}"
+    tokenizer.save_pretrained(chat_dir)
+    out = tmp_path / "corpus"
+    args = ["distill", "--model", str(chat_dir), "--dtype", "float32", "--data", str(books(tmp_path)), "--out", str(out),
+            "--shards", "2", "--batch", "2", "--prompt-tokens", "6", "--new-tokens", "5", "--holdout", "held", "--chat"]
+    assert main(args) == 0
+    records = read_shards(out)
+    assert [r["prompt"] for r in records] == ["chat"] * 4
+    for record in records:
+        words = record["text"].split()
+        assert words[:2] == ["a", "dog"] and 1 <= record["new_tokens"] <= 5  # the template's user turn opens the text
+        assert record["prompt_tokens"] > 6  # the excerpt inside the instruction and the template
+    # No template: one clear line, nothing written.
+    capsys.readouterr()
+    code = main(["distill", "--model", str(model_dir), *args[3:8], str(tmp_path / "none"), *args[9:]])
+    err = capsys.readouterr().err
+    assert code == 2 and "no chat template" in err and err.count("\n") == 1
+    assert not list((tmp_path / "none").glob("shard-*"))

@@ -14,7 +14,9 @@ from tokenswift.drafters.feature_net import FeatureNet
 from tokenswift.errors import ModelLoadError, SpecError
 from tokenswift.interfaces import DraftInputs
 from tokenswift.testing import FIXED_TREE, assert_lossless, looping_model, tiny_model_for
-from tokenswift.tools.drafter_training import DrafterTrainConfig, first_seen, penalize, train_drafter
+from tokenswift.tools.drafter_training import (
+    DrafterTrainConfig, first_seen, greedy_tokens, level_losses, penalize, train_drafter,
+)
 from tests.test_training import cyclic_corpus, model_and_books
 
 SMALL = dict(windows=16, seq_len=32, batch=4, positions=0, draft_vocab=64, eval_windows=8, warmup=5, lr=3e-3)
@@ -129,7 +131,9 @@ def test_cli_train_drafter_records_the_run_and_resumes(tmp_path, capsys):
     record = json.loads((out / "training.json").read_text())
     assert record["command"].startswith("tokenswift train-drafter --model") and record["feature_tokens"] == 9 * 32
     assert len(record["held_out_agreement"]["top1"]) == 4 and record["config"]["draft_vocab"] == 16
-    assert sorted(p.name for p in (out / "features").iterdir()) == ["chunk-0000.safetensors", "chunk-0001.safetensors"]
+    assert sorted(p.name for p in (out / "features").iterdir()) == [
+        "chunk-0000.safetensors", "chunk-0001.safetensors", "targets-0000.safetensors", "targets-0001.safetensors"]
+    assert len(record["held_out_agreement"]["greedy_top1"]) == 4 and record["config"]["depth"] == 5
     assert (out / "model.safetensors").is_file() and (out / "checkpoint.pt").is_file()
     assert main([*argv, "--steps", "6", "--resume"]) == 0
     net = FeatureNet.from_pretrained(out)
@@ -148,6 +152,36 @@ def test_the_penalty_in_training_sees_each_positions_own_past():
     logits = torch.tensor([[2.0, -1.0, 3.0]])
     assert penalize(logits, torch.tensor([[True, True, False]]), 2.0).tolist() == [[1.0, -2.0, 3.0]]
     assert penalize(logits, None, 2.0) is logits
+
+
+def test_the_greedy_targets_are_the_penalized_argmax_of_each_positions_past():
+    logits = torch.tensor([[3.0, 2.5, 0.0], [3.0, 2.5, 0.0], [-1.0, -2.5, -0.9]])
+    # position 0 has seen id 0 (3 / 2 = 1.5 < 2.5): id 1; position 1 has seen 0 and 1: 1.5 < 1.25? no: id 0;
+    # position 2 has seen 0, 1 and 2: -2, -5, -1.8: id 2
+    assert greedy_tokens(torch.tensor([0, 1, 2]), logits, 2.0).tolist() == [1, 0, 2]
+    assert greedy_tokens(torch.tensor([0, 1, 2]), logits, 1.0).tolist() == [0, 0, 2]
+
+
+def test_token_losses_mask_greedy_tokens_outside_the_draft_vocabulary():
+    torch.manual_seed(0)
+    model = tiny_model_for("llama-mha")
+    net = FeatureNet.for_model(model, torch.arange(8)).float()
+    embed = model.get_input_embeddings()
+    head = model.get_output_embeddings().weight.detach()[:8].float()
+    tokens = torch.randint(0, 8, (1, 12))
+    truth = torch.randn(1, 12, head.shape[1])
+    draft_index = torch.full((model.config.vocab_size,), 8)
+    draft_index[:8] = torch.arange(8)
+    positions = torch.tensor([0, 2, 4, 6])  # level 1 reads greedy[1, 3, 5, 7], level 2 greedy[2, 4, 6, 8]
+    inside = torch.randint(0, 8, (1, 12))
+    outside = inside.clone()
+    outside[:, positions + 1] = 9  # level 1's greedy tokens all outside: nothing left to learn there
+    args = (net, embed, head, truth, truth, tokens, 2, positions)
+    _, soft, hard, _ = level_losses(*args, greedy=inside, draft_index=draft_index)
+    _, soft_out, hard_out, agree_out = level_losses(*args, greedy=outside, draft_index=draft_index)
+    assert soft[0] > 0 and hard[0] > 0
+    assert soft_out[0] == 0 and hard_out[0] == 0 and agree_out[0] == 0
+    assert torch.equal(soft_out[1], soft[1]) and torch.equal(hard_out[1], hard[1])  # level 2 untouched
 
 
 def test_a_smaller_draft_vocabulary_drafts_only_its_tokens(tmp_path):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from importlib import resources
 
+from tokenswift.errors import TokenswiftError
+
 BUNDLED_FILE = "wuthering_heights_opening.txt"
 
 
@@ -29,3 +31,15 @@ def prompt_ids(tokenizer, num_tokens: int) -> list[int]:
     if num_tokens > len(ids):
         raise ValueError(f"the bundled prompt has {len(ids)} tokens; {num_tokens} were asked for")
     return ids[:num_tokens]
+
+
+def chat_template_text(tokenizer, messages: list[dict]) -> str:
+    """``messages`` ([{"role": ..., "content": ...}, ...]) through the tokenizer's own
+    chat template, the assistant's turn opened: the text to continue. A tokenizer
+    without a template is a clear error."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise TokenswiftError(
+            f"the tokenizer of {getattr(tokenizer, 'name_or_path', 'this model')!r} has no chat template; "
+            "pass a plain prompt instead"
+        )
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

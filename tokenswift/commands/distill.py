@@ -30,6 +30,10 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--holdout", default=",".join(default["holdout"]), help="comma-separated book ids never used for prompts"
     )
+    parser.add_argument(
+        "--chat", action="store_true",
+        help="this run's shards prompt with instructions through the chat template (answers end at the end of turn)",
+    )
 
 
 def run(args, argv: list[str] | None = None) -> int:
@@ -42,13 +46,17 @@ def run(args, argv: list[str] | None = None) -> int:
     try:
         config = DistillConfig(
             shards=args.shards, batch=args.batch, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
-            seed=args.seed, holdout=tuple(name.strip() for name in args.holdout.split(",") if name.strip()),
+            seed=args.seed, chat=args.chat, holdout=tuple(name.strip() for name in args.holdout.split(",") if name.strip()),
         )
     except ValueError as exc:
         raise CliError(f"distill: {exc}") from None
     model, tokenizer = load_model(ModelSpec(path=args.model, dtype=args.dtype, device=args.device))
     if tokenizer is None:
         raise CliError(f"distill needs a tokenizer, and none was found with {args.model}")
+    if config.chat:
+        from tokenswift.prompts import chat_template_text
+
+        chat_template_text(tokenizer, [{"role": "user", "content": "?"}])  # no template: refused before any work
     missing = sum(not shard_path(args.out, i).is_file() for i in range(config.shards))
     bar = tqdm(total=missing * config.batch * config.new_tokens, unit="tok", desc="distilling", file=sys.stderr,
                dynamic_ncols=True)

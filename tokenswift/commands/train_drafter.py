@@ -43,6 +43,22 @@ def add_arguments(parser) -> None:
         help="train on distributions after this contextual penalty, as the presets sample (1.0: raw)",
     )
     parser.add_argument(
+        "--feature-weight", type=float, default=default["feature_weight"],
+        help="weight of EAGLE-1/2's feature regression (default %(default)s: EAGLE-3's token losses only)",
+    )
+    parser.add_argument(
+        "--hard-weight", type=float, default=default["hard_weight"],
+        help="weight of the cross-entropy on the target's greedy token, beside the soft one (default %(default)s)",
+    )
+    parser.add_argument(
+        "--decay", type=float, default=default["decay"],
+        help="level k's losses weigh decay**(k-1) (default %(default)s)",
+    )
+    parser.add_argument(
+        "--autocast", choices=("auto", "on", "off"), default=default["autocast"],
+        help="bfloat16 autocast of the network (auto: where the CPU has native bfloat16; default %(default)s)",
+    )
+    parser.add_argument(
         "--init", default=default["init"],
         help="start from this trained network (a train-drafter directory, or 'shipped') instead of a fresh one",
     )
@@ -66,6 +82,10 @@ def run(args, argv: list[str] | None = None) -> int:
             depth=args.depth,
             draft_vocab=args.draft_vocab,
             penalty=args.penalty,
+            feature_weight=args.feature_weight,
+            hard_weight=args.hard_weight,
+            decay=args.decay,
+            autocast=args.autocast,
             lr=args.lr,
             warmup=args.warmup,
             seed=args.seed,
@@ -102,6 +122,7 @@ def run(args, argv: list[str] | None = None) -> int:
             bar = tqdm(total=config.steps, initial=step - 1, desc="training", unit="step", file=sys.stderr, dynamic_ncols=True)
         bar.n = step
         bar.set_postfix({"feature": f"{sum(metrics['feature']):.3f}", "token": f"{sum(metrics['token']):.2f}",
+                         "hard": f"{sum(metrics['hard']):.2f}",
                          "agree": "/".join(f"{a:.2f}" for a in metrics["agree"])})
         if step == config.steps:
             bar.close()

@@ -6,13 +6,20 @@ Two phases, both resumable:
    of ``seq_len`` tokens; their final-norm hidden states are cached to disk (bfloat16,
    in chunks of :data:`CHUNK` windows, ``features/chunk-NNNN.safetensors``). On a CPU
    this is the expensive part, and every epoch reuses it.
-2. **The network.** EAGLE's losses at every draft level the drafter runs (``depth``
-   levels unrolled, each feeding the next its own predicted features): smooth-L1
-   between the predicted and the true next feature, plus ``cls_weight`` times the
-   cross-entropy from the target's own next-token distribution (its LM head on the
-   true feature, over the draft vocabulary) to the draft's. The input features of
-   level 1 get uniform noise (``noise``) so that the layer tolerates its own errors.
-   AdamW with a cosine schedule.
+   Beside them, ``targets-NNNN.safetensors`` holds the target's greedy next token at
+   every position (its whole-vocabulary argmax after the contextual penalty).
+2. **The network**, EAGLE-3's way by default: ``depth`` draft levels unrolled as the
+   drafter runs them, each fed the previous level's own output ("training-time
+   test"), level k weighted ``decay ** (k - 1)``. Per level: ``cls_weight`` times the
+   soft cross-entropy from the target's processed next-token distribution (its LM head
+   on the true feature, after the penalty, over the draft vocabulary) to the draft's,
+   plus ``hard_weight`` times the cross-entropy on the target's greedy token; positions
+   whose greedy token lies outside the draft vocabulary are masked out of both (the
+   draft can never propose it). ``feature_weight`` > 0 adds EAGLE-1/2's smooth-L1
+   regression onto the true next feature (EAGLE-3 dropped it: it ties the layer to
+   features it cannot reproduce). The input features of level 1 get uniform noise
+   (``noise``). AdamW with a cosine schedule; bfloat16 autocast where the CPU has
+   native bfloat16 (``autocast``).
 
 The held-out books give, per draft level, how often the draft's top-1 (and top-3) is
 the target's own top-1 there (on the true text): the acceptance rate of a greedy chain.
@@ -35,6 +42,7 @@ from safetensors.torch import load_file, save_file
 
 from tokenswift.drafters.feature_net import FeatureNet, draft_vocabulary, find_shipped_drafter
 from tokenswift.errors import TokenswiftError
+from tokenswift.machine import native_bfloat16
 from tokenswift.tools.training import Corpus, TrainingState, base_hidden, lr_factor, sample_windows
 
 logger = logging.getLogger(__name__)
@@ -50,7 +58,7 @@ class DrafterTrainConfig:
     seq_len: int = attrs.field(default=512, validator=attrs.validators.ge(8))
     steps: int = attrs.field(default=300, validator=attrs.validators.ge(1))
     batch: int = attrs.field(default=8, validator=attrs.validators.ge(1))
-    depth: int = attrs.field(default=2, validator=attrs.validators.ge(1))
+    depth: int = attrs.field(default=5, validator=attrs.validators.ge(1))
     # Positions per window whose next-token loss is taken (0: all): the draft-vocabulary
     # LM head costs more than the layer, the feature loss covers every position anyway.
     positions: int = attrs.field(default=128, validator=attrs.validators.ge(0))
@@ -59,14 +67,20 @@ class DrafterTrainConfig:
     weight_decay: float = 0.0
     warmup: int = attrs.field(default=20, validator=attrs.validators.ge(0))
     noise: float = attrs.field(default=0.1, validator=attrs.validators.ge(0))
-    cls_weight: float = attrs.field(default=0.1, validator=attrs.validators.ge(0))
+    cls_weight: float = attrs.field(default=1.0, validator=attrs.validators.ge(0))
+    hard_weight: float = attrs.field(default=0.5, validator=attrs.validators.ge(0))
+    feature_weight: float = attrs.field(default=0.0, validator=attrs.validators.ge(0))
+    decay: float = attrs.field(default=0.8, validator=[attrs.validators.gt(0), attrs.validators.le(1)])
+    # bfloat16 autocast of the network's products: "auto" (where the CPU has native
+    # bfloat16, and on CUDA), "on", "off".
+    autocast: str = attrs.field(default="auto", validator=attrs.validators.in_(("auto", "on", "off")))
     # The next-token loss compares distributions after the presets' contextual penalty
     # (each token seen earlier in the window: positive logits / penalty, negative x
     # penalty), since verification draws from those; 1.0: the raw distributions.
     penalty: float = attrs.field(default=1.2, validator=attrs.validators.ge(1.0))
     seed: int = 0
     checkpoint_every: int = attrs.field(default=25, validator=attrs.validators.ge(1))
-    eval_windows: int = attrs.field(default=16, validator=attrs.validators.ge(1))
+    eval_windows: int = attrs.field(default=64, validator=attrs.validators.ge(1))
     eval_depth: int = attrs.field(default=4, validator=attrs.validators.ge(1))
     holdout: tuple[str, ...] = ("wuthering_heights",)
     # Start from a trained network (a directory from train-drafter, or "shipped": the one
@@ -120,21 +134,64 @@ def _read_chunk(path: Path, count: int, seq_len: int) -> tuple[torch.Tensor, tor
     return data["tokens"], data["features"]
 
 
+def cache_targets(
+    model, windows: torch.Tensor, features: torch.Tensor, directory: str | os.PathLike, penalty: float
+) -> torch.Tensor:
+    """[windows, seq_len] long: the target's greedy next token after every position (the
+    whole-vocabulary argmax of its logits, after the contextual penalty over the window
+    so far), computing the chunks that are missing (``targets-NNNN.safetensors``)."""
+    directory = Path(directory)
+    lm_head = model.get_output_embeddings()
+    dtype = torch.bfloat16 if native_bfloat16(lm_head.weight.device) else torch.float32
+    weight = lm_head.weight.detach().to(dtype)
+    out = []
+    for i in range(math.ceil(len(windows) / CHUNK)):
+        path = directory / f"targets-{i:04d}.safetensors"
+        rows = slice(i * CHUNK, (i + 1) * CHUNK)
+        stored = load_file(path)["greedy"] if path.is_file() else None
+        if stored is None or tuple(stored.shape) != tuple(windows[rows].shape):
+            stored = torch.stack([
+                greedy_tokens(window, hidden.to(weight.device, dtype) @ weight.T, penalty)
+                for window, hidden in zip(windows[rows], features[rows])
+            ]).cpu()
+            tmp = path.with_suffix(".tmp")
+            save_file({"greedy": stored.contiguous()}, tmp)
+            os.replace(tmp, path)
+        out.append(stored)
+    return torch.cat(out)
+
+
+def greedy_tokens(window: torch.Tensor, logits: torch.Tensor, penalty: float) -> torch.Tensor:
+    """window: [T] ids; logits: [T, V] the target's at each position -> [T] its greedy
+    next token there, after the contextual penalty over window[: t + 1]."""
+    t, vocab = logits.shape
+    first = torch.full((vocab,), t, dtype=torch.long, device=logits.device)
+    first.scatter_reduce_(0, window.to(logits.device), torch.arange(t, device=logits.device), reduce="amin")
+    seen = first[None, :] <= torch.arange(t, device=logits.device)[:, None]  # [T, V]
+    return penalize(logits.float(), seen, penalty).argmax(-1)
+
+
 # -- phase 2: the network -------------------------------------------------------------
 
 
 @torch.no_grad()
 def evaluate(net: FeatureNet, model, tokens: torch.Tensor, config: DrafterTrainConfig) -> dict:
-    """Per level: how often the draft's top-1 / top-3 (draft vocabulary) contains the
-    target's top-1 (whole vocabulary) on held-out windows, and the target's top-1
-    that the draft vocabulary contains at all."""
+    """Per level on held-out windows, how often the draft's top-1 / top-3 (draft
+    vocabulary) contains the target's top-1 (whole vocabulary): ``top1``/``top3`` of its
+    raw logits, ``greedy_top1`` of its logits after the contextual penalty (the token
+    greedy decoding emits; the draft ranked after the same penalty, as the drafter
+    ranks); and the share of the target's top-1 that the draft vocabulary holds."""
     generator = torch.Generator().manual_seed(config.seed + 1)
     device = next(model.parameters()).device
     lm_head = model.get_output_embeddings()
     embed = model.get_input_embeddings()
     head = lm_head.weight.detach()[net.draft_tokens].float()
+    vocab_size = lm_head.weight.shape[0]
+    draft_index = torch.full((vocab_size,), len(head), dtype=torch.long, device=device)
+    draft_index[net.draft_tokens] = torch.arange(len(head), device=device)
     top1 = torch.zeros(config.eval_depth)
     top3 = torch.zeros(config.eval_depth)
+    greedy_top1 = torch.zeros(config.eval_depth)
     covered = 0.0
     batches = math.ceil(config.eval_windows / config.batch)
     for _ in range(batches):
@@ -143,16 +200,28 @@ def evaluate(net: FeatureNet, model, tokens: torch.Tensor, config: DrafterTrainC
         outputs = net.unrolled(embed, features, windows, config.eval_depth)
         t = windows.shape[1]
         usable = t - config.eval_depth
+        positions = torch.arange(usable, device=device)
+        seen = first_seen(windows, draft_index, len(head)) if config.penalty != 1.0 else None
+        full = lm_head(features.to(lm_head.weight.dtype)).float()  # [B, T, V]
+        raw_all = full.argmax(-1)
+        greedy_all = torch.stack([greedy_tokens(w, row, config.penalty) for w, row in zip(windows, full)])
+        del full
         for k, out in enumerate(outputs, start=1):
-            target = lm_head(features[:, k : k + usable].to(lm_head.weight.dtype)).argmax(-1)  # [B, usable]
-            best = net.draft_tokens[(out[:, :usable] @ head.T).topk(3, dim=-1).indices]  # [B, usable, 3]
+            target = raw_all[:, k : k + usable]
+            greedy = greedy_all[:, k : k + usable]
+            draft_logits = out[:, :usable] @ head.T
+            best = net.draft_tokens[draft_logits.topk(3, dim=-1).indices]  # [B, usable, 3]
             top1[k - 1] += float((best[..., 0] == target).float().mean())
             top3[k - 1] += float((best == target[..., None]).any(-1).float().mean())
+            context = None if seen is None else seen[:, None, :] <= (positions + k)[None, :, None]
+            ranked = net.draft_tokens[penalize(draft_logits, context, config.penalty).argmax(-1)]
+            greedy_top1[k - 1] += float((ranked == greedy).float().mean())
             if k == 1:
                 covered += float(torch.isin(target, net.draft_tokens).float().mean())
     return {
         "top1": [round(float(v) / batches, 4) for v in top1],
         "top3": [round(float(v) / batches, 4) for v in top3],
+        "greedy_top1": [round(float(v) / batches, 4) for v in greedy_top1],
         "target_top1_in_draft_vocab": round(covered / batches, 4),
     }
 
@@ -209,6 +278,9 @@ def train_drafter(
     head = model.get_output_embeddings().weight.detach()[net.draft_tokens].float()
     draft_index = torch.full((vocab_size,), len(head), dtype=torch.long, device=device)
     draft_index[net.draft_tokens] = torch.arange(len(head), device=device)
+    greedy = cache_targets(model, windows, features, features_dir or out_dir / "features", config.penalty)
+    level_weights = torch.tensor([config.decay**k for k in range(config.depth)], device=device)
+    autocast = config.autocast == "on" or (config.autocast == "auto" and native_bfloat16(device))
     started = time.perf_counter() - elapsed
     usable = config.seq_len - config.depth
     for step in range(start_step, config.steps):
@@ -221,10 +293,13 @@ def train_drafter(
         else:
             positions = torch.arange(usable, device=device)
         seen = first_seen(tokens, draft_index, len(head)) if config.penalty != 1.0 else None
-        feature_loss, token_loss, agreement = level_losses(
-            net, embed, head, noisy, truth, tokens, config.depth, positions, seen, config.penalty
-        )
-        loss = (feature_loss + config.cls_weight * token_loss).sum()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            feature_loss, soft_loss, hard_loss, agreement = level_losses(
+                net, embed, head, noisy, truth, tokens, config.depth, positions, seen, config.penalty,
+                greedy[batch].to(device), draft_index,
+            )
+        per_level = config.feature_weight * feature_loss + config.cls_weight * soft_loss + config.hard_weight * hard_loss
+        loss = (level_weights * per_level).sum()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5)
@@ -233,7 +308,10 @@ def train_drafter(
         if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
             checkpoint.save(checkpoint_path, step + 1, time.perf_counter() - started)
         if progress is not None:
-            progress(step + 1, {"feature": feature_loss.tolist(), "token": token_loss.tolist(), "agree": agreement.tolist()})
+            progress(step + 1, {
+                "feature": feature_loss.tolist(), "token": soft_loss.tolist(), "hard": hard_loss.tolist(),
+                "agree": agreement.tolist(),
+            })
     wall = time.perf_counter() - started
     net.eval()
     metrics = evaluate(net, model, corpus.held_out, config)
@@ -271,22 +349,34 @@ def first_seen(tokens: torch.Tensor, draft_index: torch.Tensor, size: int) -> to
     return first.scatter_reduce(1, draft_index[tokens], index, reduce="amin")[:, :size]
 
 
-def level_losses(net, embed, head, inputs, truth, tokens, depth, positions, seen=None, penalty=1.0):
-    """Per level: feature loss, next-token loss, top-1 agreement with the target.
-    inputs: [B, T, H] float32 level-1 features (noise added); truth: [B, T, H] the true
-    features; head: [V', H] the draft vocabulary's LM-head rows; positions: [P]
-    indices whose next-token loss is taken (each < T - depth); seen: [B, V'] long,
-    where each draft-vocabulary token first occurs (:func:`first_seen`, for the penalty)."""
+def level_losses(net, embed, head, inputs, truth, tokens, depth, positions, seen=None, penalty=1.0, greedy=None, draft_index=None):
+    """Per level: feature loss, soft next-token loss, hard (greedy-token) loss, top-1
+    agreement with the target's greedy token. inputs: [B, T, H] float32 level-1 features
+    (noise added); truth: [B, T, H] the true features; head: [V', H] the draft
+    vocabulary's LM-head rows; positions: [P] indices whose next-token losses are taken
+    (each < T - depth); seen: [B, V'] long, where each draft-vocabulary token first
+    occurs (:func:`first_seen`, for the penalty); greedy: [B, T] the target's greedy
+    next token at each position (:func:`cache_targets`; None: the argmax within the draft
+    vocabulary); draft_index: [vocab] target id -> draft row (V' outside it). Positions
+    whose greedy token is outside the draft vocabulary are masked out of the token losses."""
     outputs = net.unrolled(embed, inputs, tokens, depth)
     t = truth.shape[1]
-    feature_losses, token_losses, agreement = [], [], []
+    size = head.shape[0]
+    feature_losses, soft_losses, hard_losses, agreement = [], [], [], []
     for k, out in enumerate(outputs, start=1):
         target_features = truth[:, k:]
-        feature_losses.append(F.smooth_l1_loss(out[:, : t - k], target_features))
+        feature_losses.append(F.smooth_l1_loss(out[:, : t - k].float(), target_features))
         context = None if seen is None else seen[:, None, :] <= (positions + k)[None, :, None]  # [B, P, V'] at j + k
         with torch.no_grad():
-            target = penalize(target_features[:, positions] @ head.T, context, penalty).softmax(-1)
-        logits = penalize(out[:, positions] @ head.T, context, penalty)
-        token_losses.append(-(target * logits.log_softmax(-1)).sum(-1).mean())
-        agreement.append((logits.argmax(-1) == target.argmax(-1)).float().mean())
-    return torch.stack(feature_losses), torch.stack(token_losses), torch.stack(agreement)
+            target_logits = penalize(target_features[:, positions] @ head.T, context, penalty)
+            target = target_logits.softmax(-1)
+            rows = target_logits.argmax(-1) if greedy is None else draft_index[greedy[:, positions + k]]  # [B, P]
+            valid = rows < size
+            weight = valid.float() / valid.sum().clamp(min=1)
+        logits = penalize((out[:, positions] @ head.T).float(), context, penalty)
+        log_q = logits.log_softmax(-1)
+        soft_losses.append(-((target * log_q).sum(-1) * weight).sum())
+        hard = -log_q.gather(-1, rows.clamp(max=size - 1)[..., None])[..., 0]
+        hard_losses.append((hard * weight).sum())
+        agreement.append(((logits.argmax(-1) == rows).float() * weight).sum())
+    return torch.stack(feature_losses), torch.stack(soft_losses), torch.stack(hard_losses), torch.stack(agreement)

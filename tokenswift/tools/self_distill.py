@@ -8,9 +8,14 @@ presets' sampling (temperature 1, min-p 0.1), both with the presets' contextual 
 in batches through transformers' ``generate`` (speed matters more than losslessness
 here: this is training data). Each shard is a JSON Lines file ``shard-NNNN.jsonl``
 (``id``, ``text``: prompt and continuation, ``decoding``, ``prompt_tokens``,
-``new_tokens``) written whole or not at all; a run that stops resumes at the first
+``new_tokens``, ``prompt``: ``book`` or ``chat``) written whole or not at all; a run that stops resumes at the first
 missing shard, and shard i's prompts and seed depend on i alone. ``tokenswift
 train-drafter --data DIR`` (or ``train-heads``) reads the shards.
+
+With ``chat``, the shards' prompts are instructions, as users drive an Instruct model:
+the tokenizer's own chat template around one of :data:`INSTRUCTIONS` (chosen by the
+shard's index) and a book excerpt; the target answers until its end of turn (at most
+``new_tokens``).
 """
 
 from __future__ import annotations
@@ -35,6 +40,14 @@ from tokenswift.tools.training import read_corpus, sample_windows
 logger = logging.getLogger(__name__)
 
 RECORD = "distill.json"
+EXCERPT = "\x00EXCERPT\x00"  # where the book excerpt goes in an instruction
+INSTRUCTIONS = (
+    "Continue this passage from a novel, in the same style:\n\n" + EXCERPT,
+    "Here is the opening of a story. Write what happens next, at length:\n\n" + EXCERPT,
+    "Summarize the following passage, then explain what it tells us about its characters:\n\n" + EXCERPT,
+    "Rewrite this passage as a modern short story:\n\n" + EXCERPT,
+    "Write a detailed essay about the themes of this passage:\n\n" + EXCERPT,
+)
 
 
 @attrs.frozen(kw_only=True)
@@ -48,6 +61,7 @@ class DistillConfig:
     min_p: float = attrs.field(default=0.1, validator=attrs.validators.ge(0.0))
     seed: int = 0
     holdout: tuple[str, ...] = ("wuthering_heights",)
+    chat: bool = False
 
 
 def shard_path(out_dir: str | os.PathLike, index: int) -> Path:
@@ -78,25 +92,33 @@ def distill(
         if path.is_file():
             continue
         generator = torch.Generator().manual_seed(config.seed * 1000 + index)
-        prompts = sample_windows(corpus.train, config.batch, config.prompt_tokens, generator).to(device)
+        prompts = sample_windows(corpus.train, config.batch, config.prompt_tokens, generator)
+        if config.chat:
+            prompts = chat_prompts(tokenizer, prompts, INSTRUCTIONS[index % len(INSTRUCTIONS)])
+        prompts = prompts.to(device)
         decoding = shard_decoding(index)
         kwargs = {"do_sample": False} if decoding == "greedy" else {"do_sample": True, "temperature": 1.0, "min_p": config.min_p, "top_k": 0}
         torch.manual_seed(config.seed * 1000 + index)  # transformers samples from the global generator
         out = model.generate(
             prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=config.new_tokens,
-            min_new_tokens=config.new_tokens, logits_processor=processors, pad_token_id=tokenizer.eos_token_id, **kwargs,
+            min_new_tokens=1 if config.chat else config.new_tokens, logits_processor=processors, pad_token_id=tokenizer.eos_token_id, **kwargs,
         )
         lines = []
+        width = prompts.shape[1]
         for row, ids in enumerate(out.tolist()):
+            new = ids[width:]
+            if tokenizer.eos_token_id in new:  # a chat answer ends at its end of turn
+                new = new[: new.index(tokenizer.eos_token_id) + 1]
             lines.append(json.dumps({
-                "id": f"distill-{index:04d}-{row:02d}", "text": tokenizer.decode(ids, skip_special_tokens=True),
-                "decoding": decoding, "prompt_tokens": config.prompt_tokens, "new_tokens": len(ids) - config.prompt_tokens,
+                "id": f"distill-{index:04d}-{row:02d}", "text": tokenizer.decode(ids[:width] + new, skip_special_tokens=not config.chat),
+                "decoding": decoding, "prompt": "chat" if config.chat else "book", "prompt_tokens": width,
+                "new_tokens": len(new),
             }))
+            generated += len(new)
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
         tmp.replace(path)
         written.append(path.name)
-        generated += config.batch * config.new_tokens
         if progress is not None:
             progress(config.batch * config.new_tokens)
         logger.info("shard %d (%s) written", index, decoding)
@@ -111,6 +133,20 @@ def distill(
     }
     (out_dir / RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     return record
+
+
+def chat_prompts(tokenizer, excerpts: torch.Tensor, instruction: str) -> torch.Tensor:
+    """excerpts: [B, n] book-token windows -> [B, m] ids: each excerpt inside
+    ``instruction`` (at :data:`EXCERPT`), as a user turn of the tokenizer's chat
+    template with the assistant's turn opened. All rows have one length (the template's
+    tokens around each excerpt are the same)."""
+    from tokenswift.prompts import chat_template_text
+
+    before, after = chat_template_text(tokenizer, [{"role": "user", "content": instruction}]).split(EXCERPT)
+    prefix = tokenizer(before, add_special_tokens=False)["input_ids"]
+    suffix = tokenizer(after, add_special_tokens=False)["input_ids"]
+    b = excerpts.shape[0]
+    return torch.cat([torch.tensor([prefix] * b), excerpts, torch.tensor([suffix] * b)], dim=1)
 
 
 def read_shards(directory: str | os.PathLike) -> list[dict]:
