@@ -78,10 +78,14 @@ def main() -> None:
             started = time.perf_counter()
             result = Pipeline.from_spec(spec, model, tokenizer).generate(prompt, args.new_tokens, seed=0, ignore_eos=True)
             stats = result.stats
+            histogram = stats.tokens_per_step_histogram  # emitted tokens per step: accepted drafts + 1
+            reached = [sum(n for emitted, n in histogram.items() if emitted > d) / stats.steps for d in range(1, 7)]
             rows.append({
                 "decoding": decoding_name, "preset": name, "tokens_per_step": round(stats.tokens_per_step, 3),
                 "nodes_verified_per_step": stats.decisions()["verified_per_step"],
                 "acceptance_rate": round(stats.acceptance_rate, 3), "retriever_share": round(stats.retriever_share, 3),
+                # the share of steps that accepted at least d drafted tokens, d = 1..6
+                "accepted_to_depth": [round(r, 3) for r in reached],
                 "seconds": round(time.perf_counter() - started, 1),
             })
             print(rows[-1], flush=True)
@@ -93,8 +97,10 @@ def main() -> None:
         "max_nodes": args.max_nodes, "drafters_alone": args.drafters_alone, "eagle_weights": args.eagle_weights or "shipped",
     }
     (out / "acceptance.json").write_text(json.dumps({"info": info, "rows": rows}, indent=2) + "\n")
-    lines = ["| decoding | preset | tokens/step | nodes verified per step | retriever share |", "|---|---|---|---|---|"]
-    lines += [f"| {r['decoding']} | {r['preset']} | {r['tokens_per_step']} | {r['nodes_verified_per_step']} | "
+    lines = ["| decoding | preset | tokens/step | steps accepting >= 1 / 2 / 3 / 4 drafts | nodes verified per step "
+             "| retriever share |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['decoding']} | {r['preset']} | {r['tokens_per_step']} | "
+              f"{' / '.join(f'{a:.2f}' for a in r['accepted_to_depth'][:4])} | {r['nodes_verified_per_step']} | "
               f"{r['retriever_share']} |" for r in rows]
     what = "drafters alone (no reuse, full cache)" if args.drafters_alone else "presets as shipped"
     (out / "acceptance.md").write_text(

@@ -92,3 +92,23 @@ def test_cli_train_heads_records_the_run(tmp_path, capsys):
     capsys.readouterr()
     assert main(["train-heads", "--model", str(model_dir), "--data", str(data), "--out", str(tmp_path / "x"), "--resume"]) == 2
     assert "no checkpoint" in capsys.readouterr().err
+
+
+def test_cli_train_heads_init_starts_from_trained_heads(tmp_path, capsys):
+    from tokenswift.drafters.draft_heads import DraftHeads
+
+    model_dir, data = model_and_books(tmp_path)
+    common = ["--model", str(model_dir), "--dtype", "float32", "--data", str(data), "--seq-len", "32", "--batch", "2",
+              "--holdout", "held"]
+    assert main(["train-heads", *common, "--out", str(tmp_path / "a"), "--steps", "3"]) == 0
+    assert main(["train-heads", *common, "--out", str(tmp_path / "b"), "--steps", "1", "--lr", "1e-9",
+                 "--init", str(tmp_path / "a")]) == 0
+    assert main(["train-heads", *common, "--out", str(tmp_path / "c"), "--steps", "1", "--lr", "1e-9"]) == 0
+    a, b, c = (DraftHeads.from_pretrained(tmp_path / name).state_dict() for name in "abc")
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)  # continued from a
+    assert not all(torch.allclose(a[k], c[k], atol=1e-6) for k in a)  # a fresh start is not a
+    capsys.readouterr()
+    code = main(["train-heads", *common, "--out", str(tmp_path / "d"), "--steps", "1", "--num-heads", "2",
+                 "--init", str(tmp_path / "a")])
+    err = capsys.readouterr().err
+    assert code == 2 and "3 heads there" in err

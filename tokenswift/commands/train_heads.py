@@ -31,6 +31,10 @@ def add_arguments(parser) -> None:
         "--positions", type=int, default=default["positions"], help="positions per window the loss is taken on (0: all)"
     )
     parser.add_argument("--num-heads", type=int, default=default["num_heads"])
+    parser.add_argument(
+        "--init", default=default["init"],
+        help="start from these trained heads (a train-heads directory, or 'shipped') instead of fresh ones",
+    )
     add_training_schedule(parser, default)
 
 
@@ -53,6 +57,7 @@ def run(args, argv: list[str] | None = None) -> int:
             seed=args.seed,
             checkpoint_every=args.checkpoint_every,
             holdout=tuple(name.strip() for name in args.holdout.split(",") if name.strip()),
+            init=args.init,
         )
     except ValueError as exc:
         raise CliError(f"train-heads: {exc}") from None

@@ -120,7 +120,7 @@ def distill(
         tmp.replace(path)
         written.append(path.name)
         if progress is not None:
-            progress(config.batch * config.new_tokens)
+            progress(config.batch * config.new_tokens)  # the bar counts the shard's budget; chat answers may end sooner
         logger.info("shard %d (%s) written", index, decoding)
     record = {
         "config": attrs.asdict(config),

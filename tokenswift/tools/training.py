@@ -24,7 +24,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from tokenswift.drafters.draft_heads import DraftHeads
+from tokenswift.drafters.draft_heads import DraftHeads, find_shipped_heads
 from tokenswift.errors import TokenswiftError
 
 logger = logging.getLogger(__name__)
@@ -49,6 +49,9 @@ class TrainConfig:
     checkpoint_every: int = attrs.field(default=50, validator=attrs.validators.ge(1))
     eval_windows: int = attrs.field(default=32, validator=attrs.validators.ge(1))
     holdout: tuple[str, ...] = ("wuthering_heights",)
+    # Start from trained heads (a train-heads directory, or "shipped": the ones shipped
+    # for the model) instead of fresh ones; their number of heads is kept.
+    init: str | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -178,7 +181,15 @@ def train_heads(
     for param in model.parameters():
         param.requires_grad_(False)
     model.eval()
-    heads = DraftHeads.for_model(model, config.num_heads).float()  # float32 master weights
+    if config.init is None:
+        heads = DraftHeads.for_model(model, config.num_heads).float()  # float32 master weights
+    else:
+        source = find_shipped_heads(model) if config.init == "shipped" else Path(config.init)
+        if source is None:
+            raise TokenswiftError("--init shipped: no heads are shipped for this model")
+        heads = DraftHeads.from_pretrained(source, model).float()
+        if heads.num_heads != config.num_heads:
+            raise TokenswiftError(f"--init {config.init}: {heads.num_heads} heads there, --num-heads {config.num_heads}")
     heads.train()
     optimizer = torch.optim.AdamW(heads.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, config))
