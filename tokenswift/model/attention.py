@@ -9,7 +9,9 @@ optional :class:`~tokenswift.model.plan.AttentionRecorder`, which keeps the last
 probabilities over every key, summed over the query heads of each KV group (the
 dynamic cache policy ranks positions by them).
 
-One new token needs no mask. Many (a prompt chunk over a long context) on a CPU go
+On a CPU, one or two new tokens go through tokenswift's own decode kernel
+(:mod:`tokenswift.kernels`: the KV split across threads, one pass over it) where it
+could be built. Otherwise one new token needs no mask; many (a prompt chunk over a long context) on a CPU go
 through :func:`split_attention`: the committed prefix unmasked through the flash
 kernel, the tree block masked, merged by log-sum-exp, so no [n, context] mask is
 built. A small tree, or any forward on another device, uses one grouped additive mask
@@ -31,6 +33,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from tokenswift import kernels
 from tokenswift.model.plan import EXTERNAL_KV_KWARG, PLAN_KWARG, ForwardPlan
 from tokenswift.model.kv import KVStore
 
@@ -129,6 +132,8 @@ def plan_attention(layer: int, query, key, value, plan: ForwardPlan, scaling: fl
     positions then the new tokens'. Records the last query's probabilities if the plan
     has a recorder. Returns [1, n, q_heads, D]."""
     _record(plan, layer, query, key, scaling)
+    if kernels.serves(query, key, value):
+        return kernels.decode_attention(query, key, value, plan.prefix, None if plan.dense else plan.tree_mask, scaling)
     if plan.dense:
         return grouped_attention(query, key, value, None, scaling)
     group = query.shape[1] // key.shape[1]

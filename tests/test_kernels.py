@@ -1,0 +1,150 @@
+"""The CPU decode-attention kernel: equal to masked SDPA, in the runner's path, and a
+clean fallback where it cannot be built."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenswift import kernels
+from tokenswift.model.kv import CompactView, FullView
+from tokenswift.model.runner import Runner
+from tokenswift.testing import tiny_model_for
+from tokenswift.tree import DraftTree
+
+needs_kernel = pytest.mark.skipif(not kernels.available(), reason="the kernel cannot be built on this machine")
+TOLERANCE = {torch.float64: 1e-12, torch.float32: 2e-6, torch.bfloat16: 2e-2}
+
+
+def reference(query, key, value, prefix, tree_mask, scale):
+    """Masked SDPA in float64, the KV heads repeated for their query heads."""
+    _, q_heads, n, _ = query.shape
+    group = q_heads // key.shape[1]
+    mask = None
+    if tree_mask is not None:
+        mask = torch.cat([torch.ones(n, prefix, dtype=torch.bool), tree_mask], dim=1)
+    out = F.scaled_dot_product_attention(
+        query.double(), key.double().repeat_interleave(group, 1), value.double().repeat_interleave(group, 1),
+        attn_mask=mask, scale=scale,
+    )
+    return out.transpose(1, 2)
+
+
+def random_tree_mask(n, generator):
+    mask = (torch.rand(n, n, generator=generator) < 0.5).tril() | torch.eye(n, dtype=torch.bool)
+    return mask
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 32, 128, 8, 48])  # the AVX512 blocked path for 32/64/128, generic otherwise
+@pytest.mark.parametrize(
+    "q_heads,kv_heads,n,prefix",
+    [(9, 3, 1, 1000), (9, 3, 1, 3), (9, 3, 1, 16), (9, 3, 2, 517), (9, 3, 7, 300), (4, 4, 5, 0), (4, 2, 16, 33), (6, 2, 1, 0)],
+)
+def test_kernel_equals_masked_sdpa(dtype, dim, q_heads, kv_heads, n, prefix):
+    generator = torch.Generator().manual_seed(prefix * 31 + n)
+    capacity = prefix + n + 9  # key/value are views of a bigger store, as in the runner
+    store_k = torch.randn(1, kv_heads, capacity, dim, generator=generator).to(dtype)
+    store_v = torch.randn(1, kv_heads, capacity, dim, generator=generator).to(dtype)
+    key, value = store_k[:, :, : prefix + n], store_v[:, :, : prefix + n]
+    query = torch.randn(1, q_heads, n, dim, generator=generator).to(dtype)
+    tree_mask = random_tree_mask(n, generator) if n > 1 else None
+    if n == 1 and prefix == 0:
+        return  # no keys but the token's own: covered by (6, 2, 1, 0) through "prefix + n" keys below
+    got = kernels.decode_attention(query, key, value, prefix, tree_mask, dim**-0.5)
+    want = reference(query, key, value, prefix, tree_mask, dim**-0.5)
+    assert got.shape == (1, n, q_heads, dim) and got.dtype == dtype
+    torch.testing.assert_close(got.double(), want, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+
+
+@needs_kernel
+def test_kernel_merges_many_chunks_and_a_planted_slip_is_caught():
+    """Keys split into many chunks across threads (chunk size 16, a ragged tail) give
+    SDPA's result; the same comparison fails if one key is dropped."""
+    generator = torch.Generator().manual_seed(1)
+    key = torch.randn(1, 3, 1000, 64, generator=generator)
+    value = torch.randn(1, 3, 1000, 64, generator=generator)
+    query = torch.randn(3, 3, 64, generator=generator)  # folded: [kv_heads, rows, dim]
+    want = reference(query.reshape(1, 9, 1, 64), key, value, 999, None, 0.125).reshape(3, 3, 64)
+    for chunk in (16, 64, 1000):
+        got = torch.ops.tokenswift_cpu.decode_attention(query, key, value, 999, None, chunk, 0.125)
+        torch.testing.assert_close(got.double(), want, rtol=2e-6, atol=2e-6)
+    slipped = torch.ops.tokenswift_cpu.decode_attention(query, key[:, :, :999], value[:, :, :999], 998, None, 16, 0.125)
+    assert not torch.allclose(slipped.double(), want, rtol=2e-6, atol=2e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2"])
+def test_runner_forwards_take_the_kernel_and_match_the_torch_path(name, monkeypatch):
+    """One- and two-token forwards over the store, a full view and a compact view: the
+    kernel serves them and gives the same logits as PyTorch's attention (float64)."""
+    calls = []
+    original = kernels.decode_attention
+    monkeypatch.setattr(kernels, "decode_attention", lambda *a: calls.append(a[0].shape[2]) or original(*a))
+    model = tiny_model_for(name)
+    prompt = torch.arange(3, 40) % 60
+
+    def forwards():
+        runner = Runner(model)
+        runner.allocate(64)
+        runner.prefill(prompt)
+        one = runner.forward(torch.tensor([7])).logits
+        tree = DraftTree.root_only(7)
+        tree.add_branch([9])
+        two = runner.forward(tree.token_tensor(), tree_mask=tree.mask(), depths=tree.depth_tensor()).logits
+        full = runner.forward(torch.tensor([7]), view=FullView(runner.store)).logits
+        view = CompactView(runner.store, 16)
+        view.load(runner.store, torch.arange(0, 32, 2))
+        compact = runner.forward(torch.tensor([7]), view=view).logits
+        return one, two, full, compact
+
+    with_kernel = forwards()
+    assert sorted(set(calls)) == [1, 2]
+    monkeypatch.setattr(kernels, "available", lambda: False)
+    calls.clear()
+    without = forwards()
+    assert not calls
+    for a, b in zip(with_kernel, without):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_no_compiler_means_one_warning_and_pytorchs_path(monkeypatch, tmp_path, caplog):
+    from torch.utils import cpp_extension
+
+    def no_compiler(**kwargs):
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    monkeypatch.setenv("TOKENSWIFT_CACHE", str(tmp_path))
+    kernels._load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="tokenswift.kernels"):
+            assert not kernels.available() and not kernels.available()
+        assert [r.getMessage() for r in caplog.records].count(
+            "tokenswift's CPU attention kernel could not be built (Ninja is required to load C++ extensions); "
+            "using PyTorch's attention") == 1
+        query = torch.randn(1, 4, 1, 8, dtype=torch.float64)
+        key = torch.randn(1, 2, 5, 8, dtype=torch.float64)
+        assert not kernels.serves(query, key, key)
+        model = tiny_model_for("llama-gqa")
+        runner = Runner(model)
+        runner.allocate(16)
+        runner.prefill(torch.tensor([1, 2, 3, 4]))
+        got = runner.forward(torch.tensor([5])).logits[0]
+        with torch.inference_mode():
+            want = model(torch.tensor([[1, 2, 3, 4, 5]])).logits[0, -1]
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+    finally:
+        kernels._load.cache_clear()
+
+
+def test_kernels_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("TOKENSWIFT_KERNELS", "off")
+    kernels._load.cache_clear()
+    try:
+        assert not kernels.available()
+    finally:
+        monkeypatch.delenv("TOKENSWIFT_KERNELS")
+        kernels._load.cache_clear()

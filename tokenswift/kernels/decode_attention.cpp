@@ -1,0 +1,505 @@
+// Decode attention for CPUs: the new tokens of one forward (1 to ~64, each KV head's
+// query heads folded in) over a layer's committed KV, in one pass over the KV.
+//
+// The keys [0, prefix) are seen by every row; the last n keys (the new tokens' own)
+// under the tree mask. The KV range is split into chunks across threads (at::parallel_for),
+// each chunk giving per row a partial (max, sum, output) with the softmax accumulated in
+// float32 (float64 for float64 inputs); the partials are merged by log-sum-exp. Inner
+// loops are written so that the compiler vectorises them for the CPU it builds on
+// (-march=native: AVX2+FMA, AVX512, AVX512-BF16 conversions).
+//
+// Built at first use by tokenswift.kernels (torch.utils.cpp_extension), registered as
+// torch.ops.tokenswift_cpu.decode_attention.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+// exp(x) for x <= 0 in float32: 2^(x log2 e) split into an integer power (exponent
+// bits) and a Cephes polynomial for 2^f on [-0.5, 0.5]; ~2 ulp, and branch-free so
+// that loops over it vectorise. Below -87 it returns 2^-126-ish (~0 after the sum).
+inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float t = x * 1.44269504088896341f;
+  const float fi = std::floor(t + 0.5f);
+  const float f = t - fi;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  int32_t bits;
+  std::memcpy(&bits, &p, sizeof(bits));
+  bits += static_cast<int32_t>(fi) * (1 << 23);
+  std::memcpy(&p, &bits, sizeof(p));
+  return p;
+}
+
+inline double exp_nonpositive(double x) { return std::exp(x); }
+
+#if defined(__AVX512F__)
+inline __m512 _mm_add_wrapper(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
+#elif defined(__AVX2__) && defined(__FMA__)
+inline __m256 _mm_add_wrapper(__m256 a, __m256 b) { return _mm256_add_ps(a, b); }
+#endif
+
+// -- SIMD helpers (float32 accumulation) ------------------------------------------
+#if defined(__AVX512F__)
+constexpr int64_t kWidth = 16;
+using vec = __m512;
+inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vec vload(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vset(float x) { return _mm512_set1_ps(x); }
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(vec a) { return _mm512_reduce_add_ps(a); }
+inline void vstore(float* p, vec a) { _mm512_storeu_ps(p, a); }
+#define TOKENSWIFT_SIMD 1
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int64_t kWidth = 8;
+using vec = __m256;
+inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vec vload(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vset(float x) { return _mm256_set1_ps(x); }
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(vec a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline void vstore(float* p, vec a) { _mm256_storeu_ps(p, a); }
+#define TOKENSWIFT_SIMD 1
+#endif
+
+template <typename scalar_t>
+struct Simd : std::false_type {};
+#ifdef TOKENSWIFT_SIMD
+template <>
+struct Simd<float> : std::true_type {};
+template <>
+struct Simd<c10::BFloat16> : std::true_type {};
+constexpr int64_t kMaxVectors = 256 / kWidth;  // head dims up to 256
+
+// The hot loops of an unmasked chunk, float32 accumulation, D a multiple of kWidth.
+template <typename scalar_t>
+void chunk_simd(const float* q, int64_t R, int64_t D, const scalar_t* k, const scalar_t* v, int64_t stride,
+                int64_t start, int64_t len, float* max_out, float* sum_out, float* out, float* logits) {
+  const int64_t nv = D / kWidth;
+  vec kv[kMaxVectors];
+  for (int64_t j = 0; j < len; ++j) {
+    const scalar_t* kj = k + (start + j) * stride;
+    for (int64_t t = 0; t < nv; ++t) kv[t] = vload(kj + t * kWidth);
+    for (int64_t r = 0; r < R; ++r) {
+      const float* qr = q + r * D;
+      vec a = vzero(), b = vzero();
+      int64_t t = 0;
+      for (; t + 1 < nv; t += 2) {
+        a = vfma(vload(qr + t * kWidth), kv[t], a);
+        b = vfma(vload(qr + (t + 1) * kWidth), kv[t + 1], b);
+      }
+      if (t < nv) a = vfma(vload(qr + t * kWidth), kv[t], a);
+      logits[r * len + j] = vsum(_mm_add_wrapper(a, b));
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    float* s = logits + r * len;
+    float m = s[0];
+    for (int64_t j = 1; j < len; ++j) m = s[j] > m ? s[j] : m;
+    float total = 0;
+#pragma omp simd reduction(+ : total)
+    for (int64_t j = 0; j < len; ++j) {
+      s[j] = exp_nonpositive(s[j] - m);
+      total += s[j];
+    }
+    max_out[r] = m;
+    sum_out[r] = total;
+    std::fill(out + r * D, out + (r + 1) * D, 0.0f);
+  }
+  for (int64_t j = 0; j < len; ++j) {
+    const scalar_t* vj = v + (start + j) * stride;
+    for (int64_t t = 0; t < nv; ++t) kv[t] = vload(vj + t * kWidth);
+    for (int64_t r = 0; r < R; ++r) {
+      const vec p = vset(logits[r * len + j]);
+      float* o = out + r * D;
+      for (int64_t t = 0; t < nv; ++t) vstore(o + t * kWidth, vfma(p, kv[t], vload(o + t * kWidth)));
+    }
+  }
+}
+#endif
+
+// One chunk of keys [start, start + len) of one KV head, for all R rows.
+// q: [R, D] (pre-scaled, acc_t); k, v: row j at base + j * stride (D contiguous).
+// mask: nullptr (all visible) or [n, n] bool for the tree block (row r uses r % n,
+// key j uses j - start).
+template <typename scalar_t, typename acc_t>
+void chunk(const acc_t* q, int64_t R, int64_t D, const scalar_t* k, const scalar_t* v, int64_t stride,
+           int64_t start, int64_t len, const bool* mask, int64_t n, acc_t* max_out, acc_t* sum_out, acc_t* out,
+           std::vector<acc_t>& logits, std::vector<acc_t>& row_k) {
+  logits.resize(static_cast<size_t>(R * len));
+  row_k.resize(static_cast<size_t>(D));
+  acc_t* kf = row_k.data();
+  const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
+  // logits[r, j] = q_r . k_j
+  for (int64_t j = 0; j < len; ++j) {
+    const scalar_t* kj = k + (start + j) * stride;
+    for (int64_t d = 0; d < D; ++d) kf[d] = static_cast<acc_t>(kj[d]);
+    for (int64_t r = 0; r < R; ++r) {
+      const acc_t* qr = q + r * D;
+      acc_t s = 0;
+#pragma omp simd reduction(+ : s)
+      for (int64_t d = 0; d < D; ++d) s += qr[d] * kf[d];
+      logits[r * len + j] = s;
+    }
+  }
+  if (mask != nullptr) {
+    for (int64_t r = 0; r < R; ++r) {
+      const bool* allowed = mask + (r % n) * n;
+      for (int64_t j = 0; j < len; ++j)
+        if (!allowed[j]) logits[r * len + j] = neg_inf;
+    }
+  }
+  // per row: max, p = exp(s - max), sum
+  for (int64_t r = 0; r < R; ++r) {
+    acc_t* s = logits.data() + r * len;
+    acc_t m = neg_inf;
+    for (int64_t j = 0; j < len; ++j) m = s[j] > m ? s[j] : m;
+    acc_t total = 0;
+    if (m == neg_inf) {  // nothing visible in this chunk for this row
+      for (int64_t j = 0; j < len; ++j) s[j] = 0;
+    } else if (mask != nullptr) {
+      for (int64_t j = 0; j < len; ++j) {
+        s[j] = s[j] == neg_inf ? acc_t(0) : exp_nonpositive(s[j] - m);
+        total += s[j];
+      }
+    } else {
+#pragma omp simd reduction(+ : total)
+      for (int64_t j = 0; j < len; ++j) {
+        s[j] = exp_nonpositive(s[j] - m);
+        total += s[j];
+      }
+    }
+    max_out[r] = m;
+    sum_out[r] = total;
+    std::fill(out + r * D, out + (r + 1) * D, acc_t(0));
+  }
+  // out_r += p[r, j] v_j
+  for (int64_t j = 0; j < len; ++j) {
+    const scalar_t* vj = v + (start + j) * stride;
+    for (int64_t d = 0; d < D; ++d) kf[d] = static_cast<acc_t>(vj[d]);
+    for (int64_t r = 0; r < R; ++r) {
+      const acc_t p = logits[r * len + j];
+      acc_t* o = out + r * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) o[d] += p * kf[d];
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+// Rows this far ahead are prefetched into L2 (measured on a 2-core Sapphire Rapids:
+// into L1 or 96 rows ahead streams slower; the L2's deeper miss queue is what helps).
+constexpr int64_t kPrefetchKeys = 32;
+
+// 16 accumulators (one per key) -> one vector of their 16 horizontal sums, in key order.
+inline __m512 reduce16(const __m512* a) {
+  __m512 s[8], u[4], w[2];
+  for (int p = 0; p < 8; ++p)
+    s[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0x44), _mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0xEE));
+  for (int p = 0; p < 4; ++p)
+    u[p] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * p], s[2 * p + 1], 0x88), _mm512_shuffle_f32x4(s[2 * p], s[2 * p + 1], 0xDD));
+  for (int p = 0; p < 2; ++p)
+    w[p] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * p], u[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(u[2 * p], u[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 v = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // lane 4b + i holds key b + 4i
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, v);
+}
+
+// out[r] = sum_j p[r * len + j] v_j for ROWS rows, v's rows converted once for all.
+template <typename scalar_t, int NV, int ROWS>
+inline void accumulate(const float* p, int64_t len, const scalar_t* v, int64_t stride, int64_t start, float* out) {
+  constexpr int64_t D = NV * 16;
+  __m512 acc[ROWS][NV];
+  for (int rr = 0; rr < ROWS; ++rr)
+    for (int t = 0; t < NV; ++t) acc[rr][t] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < len; ++j) {
+    const scalar_t* vj = v + (start + j) * stride;
+    const char* ahead = reinterpret_cast<const char*>(vj + kPrefetchKeys * stride);
+    for (int64_t b = 0; b < static_cast<int64_t>(D * sizeof(scalar_t)); b += 64) _mm_prefetch(ahead + b, _MM_HINT_T1);
+    __m512 vv[NV];
+    for (int t = 0; t < NV; ++t) vv[t] = vload(vj + t * 16);
+    for (int rr = 0; rr < ROWS; ++rr) {
+      const __m512 w = _mm512_set1_ps(p[rr * len + j]);
+      for (int t = 0; t < NV; ++t) acc[rr][t] = _mm512_fmadd_ps(w, vv[t], acc[rr][t]);
+    }
+  }
+  for (int rr = 0; rr < ROWS; ++rr)
+    for (int t = 0; t < NV; ++t) _mm512_storeu_ps(out + rr * D + t * 16, acc[rr][t]);
+}
+
+// The row's max over len logits, 16 at a time.
+inline float row_max(const float* s, int64_t len) {
+  int64_t j = 0;
+  float m = -std::numeric_limits<float>::infinity();
+  if (len >= 16) {
+    __m512 mv = _mm512_loadu_ps(s);
+    for (j = 16; j + 16 <= len; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + j));
+    m = _mm512_reduce_max_ps(mv);
+  }
+  for (; j < len; ++j) m = s[j] > m ? s[j] : m;
+  return m;
+}
+
+// An unmasked chunk with head dim NV * 16: keys in blocks of 16 (converted once, each
+// row's 16 dot products reduced together), values accumulated for up to RB rows in
+// registers.
+template <typename scalar_t, int NV>
+void chunk_blocked(const float* q, const c10::BFloat16* qb, float scale, int64_t R, const scalar_t* k,
+                   const scalar_t* v, int64_t stride, int64_t start, int64_t len, float* max_out, float* sum_out,
+                   float* out, float* logits, float* scratch) {
+  constexpr int64_t D = NV * 16;
+  int64_t j0 = 0;
+#if defined(__AVX512BF16__)
+  // bfloat16 keys and an exactly-bfloat16 query (qb): pairs of products summed in
+  // float32 by the hardware, no conversion of the keys; the scale applied after.
+  if constexpr (std::is_same<scalar_t, c10::BFloat16>::value && NV % 2 == 0) {
+    if (qb != nullptr) {
+      const __m512 scale_v = _mm512_set1_ps(scale);
+      for (; j0 + 16 <= len; j0 += 16) {
+        for (int64_t j = 0; j < 16; ++j) {
+          const char* ahead = reinterpret_cast<const char*>(k + (start + j0 + j + kPrefetchKeys) * stride);
+          for (int64_t b = 0; b < D * 2; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T1);
+        }
+        for (int64_t r = 0; r < R; ++r) {
+          __m512bh qv[NV / 2];
+          for (int t = 0; t < NV / 2; ++t) qv[t] = (__m512bh)_mm512_loadu_si512(qb + r * D + t * 32);
+          __m512 acc[16];
+          for (int j = 0; j < 16; ++j) {
+            const scalar_t* kj = k + (start + j0 + j) * stride;
+            __m512 a = _mm512_setzero_ps();
+            for (int t = 0; t < NV / 2; ++t) a = _mm512_dpbf16_ps(a, qv[t], (__m512bh)_mm512_loadu_si512(kj + t * 32));
+            acc[j] = a;
+          }
+          _mm512_storeu_ps(logits + r * len + j0, _mm512_mul_ps(reduce16(acc), scale_v));
+        }
+      }
+    }
+  }
+#endif
+  for (; j0 + 16 <= len; j0 += 16) {
+    for (int64_t j = 0; j < 16; ++j) {
+      const scalar_t* kj = k + (start + j0 + j) * stride;
+      const char* ahead = reinterpret_cast<const char*>(kj + kPrefetchKeys * stride);
+      for (int64_t b = 0; b < static_cast<int64_t>(D * sizeof(scalar_t)); b += 64) _mm_prefetch(ahead + b, _MM_HINT_T1);
+      for (int t = 0; t < NV; ++t) _mm512_storeu_ps(scratch + j * D + t * 16, vload(kj + t * 16));
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      __m512 qv[NV];
+      for (int t = 0; t < NV; ++t) qv[t] = _mm512_loadu_ps(q + r * D + t * 16);
+      __m512 acc[16];
+      for (int j = 0; j < 16; ++j) {
+        __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(scratch + j * D));
+        for (int t = 1; t < NV; ++t) a = _mm512_fmadd_ps(qv[t], _mm512_loadu_ps(scratch + j * D + t * 16), a);
+        acc[j] = a;
+      }
+      _mm512_storeu_ps(logits + r * len + j0, reduce16(acc));
+    }
+  }
+  for (; j0 < len; ++j0) {  // the tail
+    const scalar_t* kj = k + (start + j0) * stride;
+    __m512 kv[NV];
+    for (int t = 0; t < NV; ++t) kv[t] = vload(kj + t * 16);
+    for (int64_t r = 0; r < R; ++r) {
+      __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q + r * D), kv[0]);
+      for (int t = 1; t < NV; ++t) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * D + t * 16), kv[t], a);
+      logits[r * len + j0] = _mm512_reduce_add_ps(a);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    float* s = logits + r * len;
+    const float m = row_max(s, len);
+    float total = 0;
+#pragma omp simd reduction(+ : total)
+    for (int64_t j = 0; j < len; ++j) {
+      s[j] = exp_nonpositive(s[j] - m);
+      total += s[j];
+    }
+    max_out[r] = m;
+    sum_out[r] = total;
+  }
+  constexpr int RB = NV >= 8 ? 2 : (NV >= 4 ? 6 : 12);
+  for (int64_t r0 = 0; r0 < R; r0 += RB) {
+    const int rows = static_cast<int>(std::min<int64_t>(RB, R - r0));
+    const float* p = logits + r0 * len;
+    float* o = out + r0 * D;
+    switch (rows) {  // the row count a compile-time constant: the accumulators stay in registers
+      case 1: accumulate<scalar_t, NV, 1>(p, len, v, stride, start, o); break;
+      case 2: accumulate<scalar_t, NV, 2>(p, len, v, stride, start, o); break;
+      case 3: accumulate<scalar_t, NV, 3>(p, len, v, stride, start, o); break;
+      case 4: if constexpr (RB >= 4) accumulate<scalar_t, NV, 4>(p, len, v, stride, start, o); break;
+      case 5: if constexpr (RB >= 5) accumulate<scalar_t, NV, 5>(p, len, v, stride, start, o); break;
+      case 6: if constexpr (RB >= 6) accumulate<scalar_t, NV, 6>(p, len, v, stride, start, o); break;
+      default: for (int rr = 0; rr < rows; ++rr) accumulate<scalar_t, NV, 1>(p + rr * len, len, v, stride, start, o + rr * D);
+    }
+  }
+}
+#endif
+
+template <typename scalar_t, typename acc_t>
+void run(const at::Tensor& q, const c10::BFloat16* qb, float scale, const at::Tensor& key, const at::Tensor& value,
+         int64_t prefix, const bool* mask, int64_t n, int64_t chunk_size, at::Tensor& out) {
+  // q: [Hkv, R, D] acc_t contiguous; key/value: [1, Hkv, L, D]; out: [Hkv, R, D] acc_t
+  const int64_t H = q.size(0), R = q.size(1), D = q.size(2);
+  const int64_t L = key.size(2);
+  const int64_t tree = mask != nullptr ? n : 0;
+  const int64_t visible = mask != nullptr ? prefix : L;  // keys every row sees
+  const int64_t chunks = (visible + chunk_size - 1) / chunk_size;
+  const int64_t per_head = chunks + (tree > 0 ? 1 : 0);
+  const int64_t items = H * per_head;
+  std::vector<acc_t> maxes(static_cast<size_t>(items * R)), sums(static_cast<size_t>(items * R));
+  std::vector<acc_t> outs(static_cast<size_t>(items * R * D));
+  const acc_t* qp = q.data_ptr<acc_t>();
+  const scalar_t* kp = key.data_ptr<scalar_t>();
+  const scalar_t* vp = value.data_ptr<scalar_t>();
+  const int64_t k_head = key.stride(1), k_row = key.stride(2);
+  const int64_t v_head = value.stride(1), v_row = value.stride(2);
+  TORCH_CHECK(k_row == v_row, "decode_attention: keys and values must share their row stride");
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> logits, row;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item / per_head, c = item % per_head;
+      const bool is_tree = c == chunks;
+      const int64_t start = is_tree ? prefix : c * chunk_size;
+      const int64_t len = is_tree ? tree : std::min(chunk_size, visible - start);
+#ifdef TOKENSWIFT_SIMD
+      if constexpr (Simd<scalar_t>::value && std::is_same<acc_t, float>::value) {
+#if defined(__AVX512F__)
+        if (!is_tree && (D == 64 || D == 128 || D == 32)) {
+          logits.resize(static_cast<size_t>(R * len + 16 * D));
+          float* scratch = logits.data() + R * len;
+          float* mo = maxes.data() + item * R;
+          float* so = sums.data() + item * R;
+          float* oo = outs.data() + item * R * D;
+          const float* qh = qp + h * R * D;
+          const c10::BFloat16* qbh = qb == nullptr ? nullptr : qb + h * R * D;
+          if (D == 64)
+            chunk_blocked<scalar_t, 4>(qh, qbh, scale, R, kp + h * k_head, vp + h * v_head, k_row, start, len, mo, so, oo, logits.data(), scratch);
+          else if (D == 128)
+            chunk_blocked<scalar_t, 8>(qh, qbh, scale, R, kp + h * k_head, vp + h * v_head, k_row, start, len, mo, so, oo, logits.data(), scratch);
+          else
+            chunk_blocked<scalar_t, 2>(qh, qbh, scale, R, kp + h * k_head, vp + h * v_head, k_row, start, len, mo, so, oo, logits.data(), scratch);
+          continue;
+        }
+#endif
+        if (!is_tree && D % kWidth == 0 && D <= 256) {
+          logits.resize(static_cast<size_t>(R * len));
+          chunk_simd<scalar_t>(qp + h * R * D, R, D, kp + h * k_head, vp + h * v_head, k_row, start, len,
+                               maxes.data() + item * R, sums.data() + item * R, outs.data() + item * R * D,
+                               logits.data());
+          continue;
+        }
+      }
+#endif
+      chunk<scalar_t, acc_t>(qp + h * R * D, R, D, kp + h * k_head, vp + h * v_head, k_row, start, len,
+                             is_tree ? mask : nullptr, n, maxes.data() + item * R, sums.data() + item * R,
+                             outs.data() + item * R * D, logits, row);
+    }
+  });
+  // merge the partials of each head's chunks by log-sum-exp
+  acc_t* op = out.data_ptr<acc_t>();
+  const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
+  at::parallel_for(0, H * R, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t hr = begin; hr < end; ++hr) {
+      const int64_t h = hr / R, r = hr % R;
+      acc_t m = neg_inf;
+      for (int64_t c = 0; c < per_head; ++c) m = std::max(m, maxes[(h * per_head + c) * R + r]);
+      acc_t total = 0;
+      acc_t* o = op + hr * D;
+      std::fill(o, o + D, acc_t(0));
+      for (int64_t c = 0; c < per_head; ++c) {
+        const int64_t at = (h * per_head + c) * R + r;
+        if (maxes[at] == neg_inf) continue;
+        const acc_t w = std::exp(maxes[at] - m);
+        total += sums[at] * w;
+        const acc_t* part = outs.data() + at * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += part[d] * w;
+      }
+      const acc_t inv = acc_t(1) / total;
+      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+    }
+  });
+}
+
+// query: [H_kv, R, D] float32, float64 or bfloat16, contiguous (the query heads of each
+// KV head folded into rows), not scaled; scale: the softmax scale; key/value: [1, H_kv,
+// L, D], D contiguous, float32, float64, bfloat16 or float16; prefix: keys [0, prefix)
+// seen by all rows; tree_mask: None (all L keys seen by all rows) or [n, n] bool for
+// keys [prefix, prefix + n) (row r uses row r % n). Returns [H_kv, R, D], float64 for a
+// float64 query, else float32.
+at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, int64_t prefix,
+                            const c10::optional<at::Tensor>& tree_mask, int64_t chunk_size, double scale) {
+  TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "decode_attention: query must be [H_kv, R, D] contiguous");
+  TORCH_CHECK(key.dim() == 4 && value.dim() == 4 && key.size(0) == 1, "decode_attention: key/value must be [1, H_kv, L, D]");
+  TORCH_CHECK(key.size(1) == query.size(0) && key.size(3) == query.size(2), "decode_attention: shapes disagree");
+  TORCH_CHECK(key.stride(3) == 1 && value.stride(3) == 1, "decode_attention: key/value rows must be contiguous");
+  TORCH_CHECK(key.scalar_type() == value.scalar_type(), "decode_attention: key/value dtypes differ");
+  TORCH_CHECK(chunk_size >= 1, "decode_attention: chunk_size must be >= 1");
+  const bool* mask = nullptr;
+  int64_t n = 0;
+  at::Tensor mask_c;
+  if (tree_mask.has_value()) {
+    mask_c = tree_mask->to(at::kBool).contiguous();
+    n = mask_c.size(0);
+    TORCH_CHECK(mask_c.dim() == 2 && mask_c.size(1) == n && prefix + n == key.size(2),
+                "decode_attention: tree_mask must be [n, n] with prefix + n keys");
+    mask = mask_c.data_ptr<bool>();
+  }
+  const bool wide = query.scalar_type() == at::kDouble;
+  TORCH_CHECK(wide || query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16,
+              "decode_attention: query must be float32, float64 or bfloat16");
+  const at::Tensor scaled = query.to(wide ? at::kDouble : at::kFloat).mul(scale).contiguous();
+  const c10::BFloat16* qb = query.scalar_type() == at::kBFloat16 ? query.data_ptr<c10::BFloat16>() : nullptr;
+  auto out = at::empty_like(scaled);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "decode_attention", [&] {
+    if (wide)
+      run<scalar_t, double>(scaled, nullptr, 1.0f, key, value, prefix, mask, n, chunk_size, out);
+    else
+      run<scalar_t, float>(scaled, qb, static_cast<float>(scale), key, value, prefix, mask, n, chunk_size, out);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tokenswift_cpu, m) {
+  m.def("decode_attention(Tensor query, Tensor key, Tensor value, int prefix, Tensor? tree_mask, int chunk_size, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenswift_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }
