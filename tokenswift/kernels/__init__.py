@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_attention.cpp")
 ENV = "TOKENSWIFT_KERNELS"
+MARCH_ENV = "TOKENSWIFT_KERNELS_MARCH"  # -march for the build (default native); e.g. haswell to try the AVX2 path
 # New tokens per forward the kernel serves. Measured on a 2-core Sapphire Rapids (AMX),
 # kernel vs PyTorch's attention, 2K and 16K keys: 1 token 1.2-1.5x faster, 2 tokens
 # 1.1-1.2x, 3 tokens 0.85x in bfloat16 (its products, row by row on AVX512, lose to
@@ -45,8 +46,12 @@ def enabled() -> bool:
     return os.environ.get(ENV, "auto").strip().lower() not in ("off", "0", "false", "no")
 
 
+def march() -> str:
+    return os.environ.get(MARCH_ENV, "native")
+
+
 def build_key() -> str:
-    text = SOURCE.read_bytes() + torch.__version__.encode() + machine_name(torch.device("cpu")).encode()
+    text = SOURCE.read_bytes() + torch.__version__.encode() + machine_name(torch.device("cpu")).encode() + march().encode()
     return hashlib.sha256(text).hexdigest()[:16]
 
 
@@ -62,7 +67,7 @@ def _load() -> bool:
         cpp_extension.load(
             name=f"tokenswift_kernels_{build_key()}",
             sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"],
+            extra_cflags=["-O3", f"-march={march()}", "-fopenmp", "-ffp-contract=fast"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(directory),
             is_python_module=False,
