@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -54,11 +55,7 @@ inline float exp_nonpositive(float x) {
 
 inline double exp_nonpositive(double x) { return std::exp(x); }
 
-#if defined(__AVX512F__)
-inline __m512 _mm_add_wrapper(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
-#elif defined(__AVX2__) && defined(__FMA__)
-inline __m256 _mm_add_wrapper(__m256 a, __m256 b) { return _mm256_add_ps(a, b); }
-#endif
+
 
 // -- SIMD helpers (float32 accumulation) ------------------------------------------
 #if defined(__AVX512F__)
@@ -72,6 +69,7 @@ inline vec vload(const c10::BFloat16* p) {
 inline vec vzero() { return _mm512_setzero_ps(); }
 inline vec vset(float x) { return _mm512_set1_ps(x); }
 inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 inline float vsum(vec a) { return _mm512_reduce_add_ps(a); }
 inline void vstore(float* p, vec a) { _mm512_storeu_ps(p, a); }
 #define TOKENSWIFT_SIMD 1
@@ -86,6 +84,7 @@ inline vec vload(const c10::BFloat16* p) {
 inline vec vzero() { return _mm256_setzero_ps(); }
 inline vec vset(float x) { return _mm256_set1_ps(x); }
 inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
 inline float vsum(vec a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -123,7 +122,7 @@ void chunk_simd(const float* q, int64_t R, int64_t D, const scalar_t* k, const s
         b = vfma(vload(qr + (t + 1) * kWidth), kv[t + 1], b);
       }
       if (t < nv) a = vfma(vload(qr + t * kWidth), kv[t], a);
-      logits[r * len + j] = vsum(_mm_add_wrapper(a, b));
+      logits[r * len + j] = vsum(vadd(a, b));
     }
   }
   for (int64_t r = 0; r < R; ++r) {
@@ -383,8 +382,8 @@ void run(const at::Tensor& q, const c10::BFloat16* qb, float scale, const at::Te
   const int64_t chunks = (visible + chunk_size - 1) / chunk_size;
   const int64_t per_head = chunks + (tree > 0 ? 1 : 0);
   const int64_t items = H * per_head;
-  std::vector<acc_t> maxes(static_cast<size_t>(items * R)), sums(static_cast<size_t>(items * R));
-  std::vector<acc_t> outs(static_cast<size_t>(items * R * D));
+  // every slot is written by its chunk before the merge reads it: no zero-filling
+  std::unique_ptr<acc_t[]> maxes(new acc_t[items * R]), sums(new acc_t[items * R]), outs(new acc_t[items * R * D]);
   const acc_t* qp = q.data_ptr<acc_t>();
   const scalar_t* kp = key.data_ptr<scalar_t>();
   const scalar_t* vp = value.data_ptr<scalar_t>();
@@ -404,9 +403,9 @@ void run(const at::Tensor& q, const c10::BFloat16* qb, float scale, const at::Te
         if (!is_tree && (D == 64 || D == 128 || D == 32)) {
           logits.resize(static_cast<size_t>(R * len + 16 * D));
           float* scratch = logits.data() + R * len;
-          float* mo = maxes.data() + item * R;
-          float* so = sums.data() + item * R;
-          float* oo = outs.data() + item * R * D;
+          float* mo = maxes.get() + item * R;
+          float* so = sums.get() + item * R;
+          float* oo = outs.get() + item * R * D;
           const float* qh = qp + h * R * D;
           const c10::BFloat16* qbh = qb == nullptr ? nullptr : qb + h * R * D;
           if (D == 64)
@@ -421,15 +420,15 @@ void run(const at::Tensor& q, const c10::BFloat16* qb, float scale, const at::Te
         if (!is_tree && D % kWidth == 0 && D <= 256) {
           logits.resize(static_cast<size_t>(R * len));
           chunk_simd<scalar_t>(qp + h * R * D, R, D, kp + h * k_head, vp + h * v_head, k_row, start, len,
-                               maxes.data() + item * R, sums.data() + item * R, outs.data() + item * R * D,
+                               maxes.get() + item * R, sums.get() + item * R, outs.get() + item * R * D,
                                logits.data());
           continue;
         }
       }
 #endif
       chunk<scalar_t, acc_t>(qp + h * R * D, R, D, kp + h * k_head, vp + h * v_head, k_row, start, len,
-                             is_tree ? mask : nullptr, n, maxes.data() + item * R, sums.data() + item * R,
-                             outs.data() + item * R * D, logits, row);
+                             is_tree ? mask : nullptr, n, maxes.get() + item * R, sums.get() + item * R,
+                             outs.get() + item * R * D, logits, row);
     }
   });
   // merge the partials of each head's chunks by log-sum-exp
@@ -448,7 +447,7 @@ void run(const at::Tensor& q, const c10::BFloat16* qb, float scale, const at::Te
         if (maxes[at] == neg_inf) continue;
         const acc_t w = std::exp(maxes[at] - m);
         total += sums[at] * w;
-        const acc_t* part = outs.data() + at * D;
+        const acc_t* part = outs.get() + at * D;
         for (int64_t d = 0; d < D; ++d) o[d] += part[d] * w;
       }
       const acc_t inv = acc_t(1) / total;
