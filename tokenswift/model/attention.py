@@ -132,6 +132,8 @@ def plan_attention(layer: int, query, key, value, plan: ForwardPlan, scaling: fl
     positions then the new tokens'. Records the last query's probabilities if the plan
     has a recorder. Returns [1, n, q_heads, D]."""
     _record(plan, layer, query, key, scaling)
+    if key.dtype != query.dtype:  # a prefill computed in another dtype than the stored KV's
+        key, value = key.to(query.dtype), value.to(query.dtype)
     if kernels.serves(query, key, value):
         return kernels.decode_attention(query, key, value, plan.prefix, None if plan.dense else plan.tree_mask, scaling)
     if plan.dense:

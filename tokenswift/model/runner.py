@@ -15,6 +15,7 @@ go is decided in :mod:`tokenswift.model.kv` alone.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import time
 
@@ -108,6 +109,7 @@ class Runner:
         self.packed_from_rows: int | None = None
         self.packed_lm_head = False
         self.compiled: CompiledForward | None = None  # see use_compiled
+        self.prefill_dtype = self.dtype  # see use_prefill_dtype
 
     # -- how products are computed -------------------------------------------------
 
@@ -140,6 +142,33 @@ class Runner:
             raise compiled.failure
         self.compiled = compiled
         return self.compiled
+
+    def use_prefill_dtype(self, dtype: torch.dtype) -> None:
+        """Compute prompt prefills (:meth:`prefill`) in ``dtype`` with a copy of the
+        model made for the prefill and dropped after it; the KV is stored, and the
+        hidden states returned, in the model's dtype (see
+        :func:`tokenswift.model.dtypes.prefill_dtype`)."""
+        if dtype != self.dtype and self.tp_size != 1:
+            raise ValueError("a prefill dtype other than the model's is not supported under tensor parallelism")
+        self.prefill_dtype = dtype
+
+    @contextlib.contextmanager
+    def _prefilling(self):
+        """Forwards inside run on the prefill dtype's copy of the model (eager, plain
+        products), where that differs from the model's dtype."""
+        if self.prefill_dtype == self.dtype:
+            yield
+            return
+        started = time.perf_counter()
+        twin = copy.deepcopy(self.model).to(self.prefill_dtype)
+        logger.debug("prefill in %s: a copy of the model made in %.2f s", self.prefill_dtype, time.perf_counter() - started)
+        saved = self.decoder, self.compiled, self.packed_from_rows
+        self.decoder, self.compiled, self.packed_from_rows = twin.get_decoder(), None, None
+        try:
+            yield
+        finally:
+            self.decoder, self.compiled, self.packed_from_rows = saved
+            del twin
 
     def _compile_failed(self, exc: CompileUnavailable) -> None:
         """A compile failed at its first call: eager from now on (what predicts costs
@@ -315,16 +344,18 @@ class Runner:
         store.load(prefilled.keys, prefilled.values)
 
     def prefill(self, tokens: torch.Tensor, *, chunk_size: int = 512, keep_hidden: int = 1) -> torch.Tensor | None:
-        """Forward a prompt in causal chunks and commit all of it. tokens: [n] long.
+        """Forward a prompt in causal chunks and commit all of it, computing in
+        :attr:`prefill_dtype` (see :meth:`use_prefill_dtype`). tokens: [n] long.
         Returns the final-norm hidden states of its last ``keep_hidden`` tokens
         ([min(keep_hidden, n), hidden_size]; None for n = 0)."""
         tokens = torch.as_tensor(tokens, dtype=torch.long)
         kept = None
-        for start in range(0, int(tokens.numel()), chunk_size):
-            chunk = tokens[start : start + chunk_size]
-            out = self.forward(chunk, logits_rows=None)
-            self.commit(torch.arange(chunk.numel()))
-            tail = out.hidden[-keep_hidden:]
-            kept = tail if kept is None else torch.cat([kept, tail])[-keep_hidden:]
-            kept = kept.clone()
+        with self._prefilling():
+            for start in range(0, int(tokens.numel()), chunk_size):
+                chunk = tokens[start : start + chunk_size]
+                out = self.forward(chunk, logits_rows=None)
+                self.commit(torch.arange(chunk.numel()))
+                tail = out.hidden[-keep_hidden:].to(self.dtype)
+                kept = tail if kept is None else torch.cat([kept, tail])[-keep_hidden:]
+                kept = kept.clone()
         return kept
