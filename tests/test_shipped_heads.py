@@ -28,7 +28,8 @@ def test_shipped_heads_come_with_a_fitted_tree_and_its_record():
     assert len(paths) == record["nodes"] and all(p[:-1] in paths for p in paths if len(p) > 1)
     assert max(len(p) for p in paths) <= 4  # the LM head + 3 heads
     replayed = record["replayed_tokens_per_step"]
-    assert replayed["fitted"] > replayed["default"] and len(replayed["per_seed"]) == len(record["seeds"])
+    runs = len(record["seeds"]) * len(record.get("decodings", ["sampling"]))  # one replay per seed and decoding
+    assert replayed["fitted"] > replayed["default"] and len(replayed["per_seed"]) == runs
 
 
 def test_the_tokenswift_preset_finds_and_uses_the_shipped_heads():

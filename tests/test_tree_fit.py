@@ -114,7 +114,10 @@ def test_fit_tree_command_writes_a_tree_and_its_record(tmp_path, model_dir, caps
     record = json.loads((heads_dir / "tree.json").read_text())
     assert record["drafter"] == "tokenswift" and record["nodes"] == 6 and len(record["paths"]) == 6
     assert record["seeds"] == [1, 2] and record["new_tokens"] == 30
-    assert [s["seed"] for s in record["replayed_tokens_per_step"]["per_seed"]] == [1, 2]
+    per_seed = record["replayed_tokens_per_step"]["per_seed"]
+    assert [(s["seed"], s["decoding"]) for s in per_seed] == [(1, "sampling"), (2, "sampling"), (1, "greedy"), (2, "greedy")]
+    assert record["decodings"] == ["sampling", "greedy"]
+    assert set(record["replayed_tokens_per_step"]["fitted_by_decoding"]) == {"sampling", "greedy"}
     assert record["command"].startswith("tokenswift fit-tree --model")
     assert "fitted a 6-node tree: replayed tokens/step" in err
     spec = {"preset": "tokenswift", "drafter": {"heads": str(heads_dir)}}
@@ -141,6 +144,7 @@ def test_fit_tree_command_writes_a_tree_and_its_record(tmp_path, model_dir, caps
         (["fit-tree", "--heads", "/nonexistent/heads"], "--heads '/nonexistent/heads' is not a directory of saved heads"),
         (["fit-tree", "--prompt-file", "/nonexistent/p.txt"], "prompt file not found: /nonexistent/p.txt"),
         (["fit-tree", "--out", "/nonexistent/dir"], "--out '/nonexistent/dir' is not a directory"),
+        (["fit-tree", "--decodings", "greedy,beam"], "--decodings 'greedy,beam': give a comma-separated list of ['sampling', 'greedy']"),
     ],
 )
 def test_fit_tree_bad_input_is_one_line(argv, message, capsys):

@@ -22,6 +22,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=2048, help="prompt tokens used, from its start (default 2048)")
     parser.add_argument("--new-tokens", type=int, default=2000, help="new tokens replayed per seed (default 2000)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="one generation per seed (default 1 2 3)")
+    parser.add_argument(
+        "--decodings", default="sampling,greedy",
+        help="comma-separated: what the tree is fitted to, pooled: sampling (the preset's), greedy (default both)",
+    )
     parser.add_argument("--out", help="directory to write tree.json to (default: the heads directory)")
 
 
@@ -44,6 +48,11 @@ def run(args, argv: list[str] | None = None) -> int:
         raise CliError(f"--heads {args.heads!r} is not a directory of saved heads")
     if args.out is not None and not Path(args.out).is_dir():
         raise CliError(f"--out {args.out!r} is not a directory")
+    from tokenswift.tools.tree_fit import DECODINGS
+
+    decodings = [d.strip() for d in args.decodings.split(",") if d.strip()]
+    if not decodings or set(decodings) - set(DECODINGS):
+        raise CliError(f"--decodings {args.decodings!r}: give a comma-separated list of {list(DECODINGS)}")
     text = read_prompt_file(args.prompt_file) if args.prompt_file is not None else None
     if text is not None and not text.strip():
         raise CliError(f"the prompt file {args.prompt_file} is empty")
@@ -61,10 +70,10 @@ def run(args, argv: list[str] | None = None) -> int:
         prompt = prompt_ids(tokenizer, args.prompt_tokens)
     else:
         prompt = tokenizer(text, add_special_tokens=False)["input_ids"][: args.prompt_tokens]
-    bar = tqdm(total=args.new_tokens * len(args.seeds), unit="tok", file=sys.stderr, dynamic_ncols=True)
+    bar = tqdm(total=args.new_tokens * len(args.seeds) * len(decodings), unit="tok", file=sys.stderr, dynamic_ncols=True)
     paths, record = fit_for_heads(
         model, tokenizer, heads, nodes=args.nodes, prompt=prompt, new_tokens=args.new_tokens, seeds=args.seeds,
-        progress=bar.update,
+        decodings=decodings, progress=bar.update,
     )
     bar.close()
     record.update(

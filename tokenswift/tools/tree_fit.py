@@ -38,6 +38,7 @@ from tokenswift.spec import PipelineSpec
 
 logger = logging.getLogger(__name__)
 
+DECODINGS = ("sampling", "greedy")  # what a tree is fitted to (pooled where both)
 MISS = 10**9  # the rank of a token that is not among a depth's candidates
 
 
@@ -194,49 +195,62 @@ def fit_for_heads(
     new_tokens: int,
     seeds: Sequence[int],
     preset: str = "tokenswift",
+    decodings: Sequence[str] = ("sampling",),
     default_tree: Sequence = (1, 3, 3, 3),
     progress=None,
 ) -> tuple[list[tuple[int, ...]], dict]:
-    """Replay ``len(seeds)`` generations of ``new_tokens`` after ``prompt`` (with the
-    penalty and sampling of ``preset``) and fit a ``nodes``-node tree for the
-    ``tokenswift`` drafter. ``progress(count)`` is called with new tokens as they come.
+    """Replay ``len(seeds)`` generations of ``new_tokens`` after ``prompt`` per decoding
+    of ``decodings`` ("sampling": the penalty and sampling of ``preset``; "greedy": its
+    penalty, greedy) and fit a ``nodes``-node tree for the ``tokenswift`` drafter on all
+    of them pooled: one tree serves both, so it is fitted to both where both are asked
+    for. ``progress(count)`` is called with new tokens as they come.
 
-    Returns the tree fitted on all seeds and a record: per seed, tokens per step of a
-    tree fitted on the *other* seeds and of ``default_tree`` (both replayed on it)."""
+    Returns the tree fitted on all seeds and a record: per seed and decoding, tokens per
+    step of a tree fitted on the *other* seeds and of ``default_tree`` (both replayed on
+    it)."""
     if not seeds:
         raise ValueError("fit a tree on at least one seed")
+    unknown = sorted(set(decodings) - set(DECODINGS))
+    if unknown or not decodings:
+        raise ValueError(f"unknown decodings {unknown or list(decodings)}; valid: {list(DECODINGS)}")
     presets = build_registry(get_plugin_manager()).presets
     if preset not in presets:
         raise SpecError(f"unknown preset {preset!r}; valid presets: {sorted(presets)}")
     spec = PipelineSpec.from_dict({"preset": preset}, presets)
-    # The same penalty and sampling with plain decoding: the distribution every preset emits.
-    ar = Pipeline.from_spec(
-        {"preset": "ar", "penalty": spec.penalty.to_dict(), "sampling": spec.sampling.to_dict()}, model, tokenizer
-    )
     depth = heads.num_heads + 1
     default_paths = index_paths(list(default_tree))
-    ranks = {}
-    for seed in seeds:
-        stream = (lambda chunk: progress(len(chunk.tokens))) if progress is not None else None
-        result = ar.generate(list(prompt), new_tokens, seed=seed, ignore_eos=True, stream=stream)
-        noise = None
-        if not spec.sampling.greedy and spec.sampling.sampler == "coupled":
-            sampler, vocab = CoupledSampler(seed), ar.runner.vocab_size
-            noise = lambda position, sampler=sampler: sampler.noise(position, vocab)  # noqa: E731
-        replayed = replay(model, heads, list(prompt) + result.tokens, len(prompt), ar.scorer, noise=noise)
-        ranks[seed] = tokenswift_ranks(replayed, depth)
-        logger.info("seed %d: %d tokens replayed", seed, len(result.tokens))
+    ranks = {}  # (seed, decoding) -> [m, depth]
+    for decoding in decodings:
+        sampling = spec.sampling.to_dict() if decoding == "sampling" else {"greedy": True}
+        # The same penalty and sampling with plain decoding: the distribution every preset emits.
+        ar = Pipeline.from_spec({"preset": "ar", "penalty": spec.penalty.to_dict(), "sampling": sampling}, model, tokenizer)
+        for seed in seeds:
+            stream = (lambda chunk: progress(len(chunk.tokens))) if progress is not None else None
+            result = ar.generate(list(prompt), new_tokens, seed=seed, ignore_eos=True, stream=stream)
+            noise = None
+            if not ar.spec.sampling.greedy and ar.spec.sampling.sampler == "coupled":
+                sampler, vocab = CoupledSampler(seed), ar.runner.vocab_size
+                noise = lambda position, sampler=sampler: sampler.noise(position, vocab)  # noqa: E731
+            replayed = replay(model, heads, list(prompt) + result.tokens, len(prompt), ar.scorer, noise=noise)
+            ranks[seed, decoding] = tokenswift_ranks(replayed, depth)
+            logger.info("seed %d, %s: %d tokens replayed", seed, decoding, len(result.tokens))
     per_seed = []
-    for seed, held_out in ranks.items():
-        others = [r for s, r in ranks.items() if s != seed] or [held_out]
+    for (seed, decoding), held_out in ranks.items():
+        others = [r for (s, _), r in ranks.items() if s != seed] or [held_out]
         per_seed.append({
             "seed": seed,
+            "decoding": decoding,
             "fitted": round(tokens_per_step(held_out, fit_tree(others, nodes)), 3),
             "default": round(tokens_per_step(held_out, default_paths), 3),
         })
+    by_decoding = {
+        decoding: round(sum(s["fitted"] for s in per_seed if s["decoding"] == decoding) / len(seeds), 3)
+        for decoding in decodings
+    }
     record = {
         "nodes": nodes,
         "seeds": list(seeds),
+        "decodings": list(decodings),
         "new_tokens": new_tokens,
         "prompt_tokens": len(prompt),
         "preset": preset,
@@ -246,6 +260,7 @@ def fit_for_heads(
         "replayed_tokens_per_step": {
             "fitted": round(sum(s["fitted"] for s in per_seed) / len(per_seed), 3),
             "default": round(sum(s["default"] for s in per_seed) / len(per_seed), 3),
+            "fitted_by_decoding": by_decoding,
             "per_seed": per_seed,
             "note": "each seed replayed with a tree fitted on the other seeds" if len(seeds) > 1 else "fitted and replayed on the same seed",
         },
