@@ -1,6 +1,7 @@
 """The command line: a real run on a saved tiny model, and one clear line per bad input."""
 
 import json
+import re
 
 import pytest
 
@@ -298,3 +299,67 @@ def test_bench_interleaved_compares_presets_with_ar_in_turns(model_dir, tmp_path
     assert [run["seed"] for run in report["per_seed"]] == [0, 1]
     assert all(run[name]["same_tokens_as_ar"] for run in report["per_seed"] for name in ("tokenswift", "medusa"))
     assert report["config"]["dtype"] == "float32" and "| tokenswift |" in out
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tmp_path_factory):
+    """The tiny model with a chat template in plain words of its vocabulary."""
+    path = tmp_path_factory.mktemp("tiny-chat")
+    tiny_model_for("llama-gqa", "float32").save_pretrained(path)
+    tokenizer = word_tokenizer()
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}a dog {% endif %}"
+    )
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_generate_chat_applies_the_template_like_pipeline_generate(chat_model_dir, tmp_path, capsys):
+    from tokenswift import Pipeline
+
+    out_file, stats_file = tmp_path / "reply.txt", tmp_path / "stats.json"
+    code, out, err = run(
+        capsys, "generate", "--preset", "ar", "--model", str(chat_model_dir), "--dtype", "float32",
+        "--chat", "the cat sat on the mat", "--system", "a dog", "--max-new-tokens", "10", "--seed", "4",
+        "--out", str(out_file), "--stats-json", str(stats_file),
+    )
+    assert code == 0, err
+    pipe = Pipeline.from_spec({"preset": "ar", "model": {"path": str(chat_model_dir), "dtype": "float32"}})
+    messages = [{"role": "system", "content": "a dog"}, {"role": "user", "content": "the cat sat on the mat"}]
+    expected = pipe.generate(messages=messages, max_new_tokens=10, seed=4)
+    assert out_file.read_text() == expected.text
+    # the template's text was the prompt: system turn, user turn, the assistant's opening
+    assert json.loads(stats_file.read_text())["prompt_tokens"] == len(pipe.encode(pipe.chat_prompt(messages))) == 12
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--chat", "the cat"], "has no chat template; pass a plain prompt instead"),
+        (["--system", "be brief", "--prompt", "the cat"], "--system goes with --chat"),
+        (["--chat", "  "], "--chat: the instruction is empty"),
+    ],
+)
+def test_bad_chat_runs_are_one_line(argv, message, model_dir, tmp_path, capsys):
+    out_file = tmp_path / "o.txt"
+    code, out, err = run(capsys, "generate", "--model", str(model_dir), "--dtype", "float32", *argv, "--out", str(out_file))
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+    assert not out_file.exists()
+
+
+def test_version(capsys):
+    from tokenswift import __version__
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"tokenswift {__version__}"
+
+
+def test_the_progress_bar_shows_one_tokens_per_second_figure(model_dir, tmp_path, capsys):
+    code, out, err = run(
+        capsys, "generate", "--model", str(model_dir), "--dtype", "float32", "--prompt", "a dog",
+        "--max-new-tokens", "8", "--ignore-eos", "--out", str(tmp_path / "o.txt"),
+    )
+    assert code == 0, err
+    bar = [line for line in err.replace("\r", "\n").splitlines() if "8/8" in line][-1]
+    assert len(re.findall(r"tok/s(?!tep)|s/tok", bar)) == 1 and "tok/step" in bar, bar

@@ -30,8 +30,10 @@ from tokenswift.detok import IncrementalDecoder
 from tokenswift.errors import SpecError
 from tokenswift.interfaces import BuildContext
 from tokenswift.memory import WORKING_SLACK, MemoryEstimate, available_bytes, gib
+from tokenswift.model.dtypes import prefill_dtype
 from tokenswift.model.loading import load_model
 from tokenswift.model.runner import Runner
+from tokenswift.prompts import chat_template_text, end_of_turn_ids
 from tokenswift.registry import PluginManager, Registry, build_registry, get_plugin_manager
 from tokenswift.scoring import Scorer
 from tokenswift.speculation import AutoSpeculator, Speculator
@@ -78,6 +80,8 @@ class Pipeline:
         self.registry = registry
         self.plugin_manager = plugin_manager
         self.runner = Runner(model)
+        prefill_choice = spec.model.prefill_dtype if spec.model is not None else "auto"
+        self.runner.use_prefill_dtype(prefill_dtype(prefill_choice, self.runner.dtype, self.runner.device))
         context = BuildContext(spec=spec, runner=self.runner, tokenizer=tokenizer)
         # Built in dependency order: the others score positions with the penalty.
         self.penalty = registry.build("penalty", spec.penalty, context)
@@ -158,13 +162,25 @@ class Pipeline:
         return ids
 
     def eos_token_ids(self) -> set[int]:
+        """The ids that end a run (unless it ignores EOS): the model's and tokenizer's
+        EOS, and the token its chat template closes an assistant turn with."""
         ids: set[int] = set()
         for source in (getattr(self.model, "generation_config", None), self.tokenizer):
             value = getattr(source, "eos_token_id", None)
             if value is None:
                 continue
             ids.update([value] if isinstance(value, int) else list(value))
+        if self.tokenizer is not None:
+            ids |= end_of_turn_ids(self.tokenizer)
         return ids
+
+    def chat_prompt(self, messages: list[dict]) -> str:
+        """The text a chat (``[{"role": "system" | "user" | "assistant", "content": ...}]``)
+        is continued from: the tokenizer's own chat template with the assistant's turn
+        opened. A model without a tokenizer or template is a clear error."""
+        if self.tokenizer is None:
+            raise ValueError("this pipeline has no tokenizer, so it has no chat template: pass a prompt instead")
+        return chat_template_text(self.tokenizer, messages)
 
     def check(self, prompt: str | list[int] | torch.Tensor, max_new_tokens: int) -> list[int]:
         """Validate a run before it starts (prompt, length, context, memory) and return
@@ -277,17 +293,25 @@ class Pipeline:
 
     def start(
         self,
-        prompt: str | list[int] | torch.Tensor | None,
-        max_new_tokens: int,
+        prompt: str | list[int] | torch.Tensor | None = None,
+        max_new_tokens: int | None = None,
         seed: int | None = None,
         ignore_eos: bool = False,
         *,
+        messages: list[dict] | None = None,
         resume: Checkpoint | None = None,
     ) -> Generation:
         """Validate a run and prepare it (:meth:`prepare`: the first run on a machine
         measures its costs); decoding starts when its ``steps()`` are iterated.
-        ``resume`` continues a checkpoint (``prompt``, ``max_new_tokens``, ``seed`` and
-        ``ignore_eos`` then come from it)."""
+        ``messages`` (instead of ``prompt``): a chat, continued as the model's
+        assistant (:meth:`chat_prompt`). ``resume`` continues a checkpoint (``prompt``,
+        ``max_new_tokens``, ``seed`` and ``ignore_eos`` then come from it)."""
+        if messages is not None:
+            if prompt is not None:
+                raise ValueError("give a prompt or messages, not both")
+            prompt = self.chat_prompt(messages)
+        elif prompt is None and resume is None:
+            raise ValueError("nothing to continue: give a prompt (text or token ids) or messages")
         if resume is not None:
             prompt, max_new_tokens, seed, ignore_eos = (
                 resume.prompt_tokens, resume.max_new_tokens, resume.seed, resume.ignore_eos
@@ -319,20 +343,27 @@ class Pipeline:
 
     def generate(
         self,
-        prompt: str | list[int] | torch.Tensor | None,
-        max_new_tokens: int,
+        prompt: str | list[int] | torch.Tensor | None = None,
+        max_new_tokens: int | None = None,
         seed: int | None = None,
         ignore_eos: bool = False,
         stream: Callable[[StreamChunk], None] | None = None,
         *,
+        messages: list[dict] | None = None,
+        cancel: Callable[[], bool] | None = None,
         checkpoint: str | os.PathLike | None = None,
         checkpoint_every: int = 256,
         resume: Checkpoint | None = None,
     ) -> GenerationResult:
-        """Generate up to ``max_new_tokens`` new tokens after ``prompt`` (text or ids).
+        """Generate up to ``max_new_tokens`` new tokens after ``prompt`` (text or ids),
+        or, given ``messages`` (``[{"role": "system" | "user" | "assistant", "content":
+        ...}]``), as the assistant's reply through the tokenizer's chat template (the
+        reply ends at the template's end-of-turn token).
 
         The same seed gives the same output; ``stream`` is called after every step
-        with the new tokens (and their text, with a tokenizer). With ``checkpoint``, a
+        with the new tokens (and their text, with a tokenizer); ``cancel`` too, after
+        it: where it returns True the run ends there (``finish_reason ==
+        "cancelled"``; a server stops a generation whose client went away). With ``checkpoint``, a
         :class:`~tokenswift.checkpoint.Checkpoint` is written there atomically every
         ``checkpoint_every`` new tokens and when the run ends, also on KeyboardInterrupt
         (the result then has ``finish_reason == "interrupted"``). ``resume`` continues
@@ -342,7 +373,7 @@ class Pipeline:
         """
         if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every <= 0:
             raise ValueError(f"checkpoint_every must be a positive integer, got {checkpoint_every!r}")
-        run = self.start(prompt, max_new_tokens, seed, ignore_eos, resume=resume)
+        run = self.start(prompt, max_new_tokens, seed, ignore_eos, messages=messages, resume=resume)
         if not distributed.is_primary():  # under torchrun, rank 0 alone streams and writes
             stream, checkpoint = None, None
         hook = self.plugin_manager.hook
@@ -363,6 +394,9 @@ class Pipeline:
             for record in run.steps():
                 for consume in consumers:
                     consume(record)
+                if cancel is not None and cancel():
+                    run.finish_reason = "cancelled"
+                    break
         except KeyboardInterrupt:
             logger.warning("interrupted after %d new tokens", len(run.new_tokens))
             run.finish_reason = "interrupted"

@@ -33,6 +33,32 @@ def prompt_ids(tokenizer, num_tokens: int) -> list[int]:
     return ids[:num_tokens]
 
 
+ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def check_messages(messages) -> list[dict]:
+    """``messages`` as a list of {"role", "content"} dicts with string contents, or a
+    clear error naming the bad one (``messages[i].field``) and what is valid."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise TokenswiftError(f"messages must be a non-empty list of {{'role': ..., 'content': ...}}, got {messages!r:.80}")
+    checked = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise TokenswiftError(f"messages[{i}] must be an object with 'role' and 'content', got {message!r:.80}")
+        role, content = message.get("role"), message.get("content")
+        if role not in ROLES:
+            raise TokenswiftError(f"messages[{i}].role must be one of {list(ROLES)}, got {role!r}")
+        if not isinstance(content, str):
+            raise TokenswiftError(f"messages[{i}].content must be a string, got {type(content).__name__}")
+        checked.append({"role": role, "content": content})
+    return checked
+
+
+def chat_messages(prompt: str, system: str | None = None) -> list[dict]:
+    """One user turn (``prompt``), after a system turn where ``system`` is given."""
+    return ([{"role": "system", "content": system}] if system is not None else []) + [{"role": "user", "content": prompt}]
+
+
 def chat_template_text(tokenizer, messages: list[dict]) -> str:
     """``messages`` ([{"role": ..., "content": ...}, ...]) through the tokenizer's own
     chat template, the assistant's turn opened: the text to continue. A tokenizer
@@ -42,4 +68,27 @@ def chat_template_text(tokenizer, messages: list[dict]) -> str:
             f"the tokenizer of {getattr(tokenizer, 'name_or_path', 'this model')!r} has no chat template; "
             "pass a plain prompt instead"
         )
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(check_messages(messages), tokenize=False, add_generation_prompt=True)
+
+
+_SENTINEL = "\u2063tokenswift\u2063"  # invisible separators around a word: text no template writes itself
+
+
+def end_of_turn_ids(tokenizer) -> set[int]:
+    """The special token the chat template closes an assistant turn with (ChatML's
+    ``<|im_end|>``, Llama 3's ``<|eot_id|>``, ...): the first token after the turn's
+    content in a rendered conversation, where that is a special token; empty without
+    a template or where the template closes turns with plain text."""
+    if not getattr(tokenizer, "chat_template", None):
+        return set()
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _SENTINEL}], tokenize=False
+        )
+    except Exception:  # noqa: BLE001 - a template that refuses this conversation closes turns somehow else
+        return set()
+    after = text.partition(_SENTINEL)[2]
+    ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
+    special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    special |= {i for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(token, "special", False)}
+    return {ids[0]} if ids and ids[0] in special else set()

@@ -45,6 +45,33 @@ def add_training_schedule(parser, default: dict) -> None:
     parser.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
 
 
+def spec_and_overrides(args):
+    """The spec (``--spec`` file or ``--preset``) and the overrides of the model flags
+    (``--model``, ``--dtype``, ``--device``, ``--compile``; ``--greedy``, ``--heads``
+    where the command has them) for ``Pipeline.from_spec``."""
+    from tokenswift.spec import load_toml
+
+    if args.spec:
+        spec = load_toml(args.spec)
+    else:
+        spec = {"preset": args.preset or DEFAULT_PRESET}
+    model = dict(spec.get("model") or {})
+    if args.model or not model:
+        model = {"path": args.model or DEFAULT_MODEL, "dtype": model.get("dtype", "auto")}
+    if args.dtype:
+        model["dtype"] = args.dtype
+    if args.device:
+        model["device"] = args.device
+    if args.compile:
+        model["compile"] = args.compile
+    overrides: dict = {"model": model}
+    if getattr(args, "greedy", False):
+        overrides["sampling"] = {"greedy": True}
+    if getattr(args, "heads", None):
+        overrides["drafter"] = {"heads": args.heads}
+    return spec, overrides
+
+
 def read_prompt_file(name: str) -> str:
     path = Path(name)
     try:

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from tokenswift import distributed
-from tokenswift.commands import DEFAULT_MODEL, DEFAULT_PRESET, DTYPE_CHOICES, CliError, read_prompt_file
+from tokenswift.commands import DEFAULT_MODEL, DEFAULT_PRESET, DTYPE_CHOICES, CliError, read_prompt_file, spec_and_overrides
 
 NAME = "generate"
 HELP = "generate text with a preset or spec"
@@ -46,6 +46,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prompt = parser.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help="prompt text")
     prompt.add_argument("--prompt-file", help="read the prompt from a file")
+    prompt.add_argument(
+        "--chat", metavar="TEXT",
+        help="an instruction: the model replies as the assistant, through its tokenizer's chat template, "
+        "and stops at the template's end-of-turn token",
+    )
+    parser.add_argument("--system", metavar="TEXT", help="with --chat: a system prompt before the instruction")
     parser.add_argument("--max-new-tokens", type=int, default=1024, help="new tokens to generate (default 1024)")
     parser.add_argument(
         "--seed", type=int,
@@ -72,7 +78,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
 
 
-def _read_prompt(args) -> str:
+def _read_prompt(args, pipe) -> str:
+    if args.chat is not None:
+        from tokenswift.prompts import chat_messages
+
+        if not args.chat.strip():
+            raise CliError("--chat: the instruction is empty")
+        return pipe.chat_prompt(chat_messages(args.chat, args.system))
     if args.prompt is not None:
         return args.prompt
     if args.prompt_file is not None:
@@ -82,28 +94,7 @@ def _read_prompt(args) -> str:
     return demo_prompt()
 
 
-def _spec_and_overrides(args):
-    from tokenswift.spec import load_toml
-
-    if args.spec:
-        spec = load_toml(args.spec)
-    else:
-        spec = {"preset": args.preset or DEFAULT_PRESET}
-    model = dict(spec.get("model") or {})
-    if args.model or not model:
-        model = {"path": args.model or DEFAULT_MODEL, "dtype": model.get("dtype", "auto")}
-    if args.dtype:
-        model["dtype"] = args.dtype
-    if args.device:
-        model["device"] = args.device
-    if args.compile:
-        model["compile"] = args.compile
-    overrides: dict = {"model": model}
-    if args.greedy:
-        overrides["sampling"] = {"greedy": True}
-    if args.heads:
-        overrides["drafter"] = {"heads": args.heads}
-    return spec, overrides
+BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]"
 
 
 class _Progress:
@@ -118,14 +109,15 @@ class _Progress:
         if self.bar is None:
             from tqdm import tqdm
 
+            # tqdm's own rate (a smoothed recent rate) is left out: one tokens/s figure,
+            # the run's, as in the summary; the ETA is tqdm's from its elapsed time.
             self.bar = tqdm(
                 total=self.total, initial=self.initial, unit="tok", disable=not self.enabled,
-                dynamic_ncols=True, leave=True, file=sys.stderr,
+                dynamic_ncols=True, leave=True, file=sys.stderr, bar_format=BAR_FORMAT,
             )
         self.bar.update(len(step.emitted))
-        self.bar.set_postfix(
-            {"tok/s": f"{step.generated / max(step.seconds, 1e-9):.1f}", "tok/step": f"{step.generated / step.step:.2f}"},
-            refresh=False,
+        self.bar.set_postfix_str(
+            f"{step.generated / max(step.seconds, 1e-9):.1f} tok/s, {step.generated / step.step:.2f} tok/step", refresh=False
         )
 
     def close(self) -> None:
@@ -154,11 +146,16 @@ def run(args, argv: list[str] | None = None) -> int:
             raise CliError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
         if args.checkpoint_every <= 0:
             raise CliError(f"--checkpoint-every must be a positive integer, got {args.checkpoint_every}")
-        prompt = _read_prompt(args)
-        if not prompt.strip():
-            raise CliError("the prompt is empty")
-        spec, overrides = _spec_and_overrides(args)
+        if args.system is not None and args.chat is None:
+            raise CliError("--system goes with --chat (a system prompt for a chat instruction)")
+        if args.chat is None:
+            prompt = _read_prompt(args, None)
+            if not prompt.strip():
+                raise CliError("the prompt is empty")
+        spec, overrides = spec_and_overrides(args)
         pipe = Pipeline.from_spec(spec, overrides=overrides)
+        if args.chat is not None:
+            prompt = _read_prompt(args, pipe)
         max_new_tokens = args.max_new_tokens
         prompt = pipe.check(prompt, max_new_tokens)  # refuse a bad run before any file is opened
 
@@ -170,7 +167,8 @@ def run(args, argv: list[str] | None = None) -> int:
         enabled=primary and not args.quiet and not text_on_terminal,
         initial=len(resume.tokens) if resume else 0,
     )
-    ignore_eos = args.ignore_eos if args.ignore_eos is not None else (args.prompt is None and args.prompt_file is None)
+    bundled = args.prompt is None and args.prompt_file is None and args.chat is None
+    ignore_eos = args.ignore_eos if args.ignore_eos is not None else bundled
 
     class ProgressPlugin:
         @hookimpl
