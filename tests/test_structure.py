@@ -10,8 +10,10 @@ import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "tokenswift"
-# Not runtime: the offline tools, the CLI and its commands, and the test helpers.
-NOT_RUNTIME = ("tokenswift.tools", "tokenswift.commands", "tokenswift.cli", "tokenswift.__main__", "tokenswift.testing")
+# Not runtime: the offline tools, the CLI and its commands, the HTTP server, and the test helpers.
+NOT_RUNTIME = (
+    "tokenswift.tools", "tokenswift.commands", "tokenswift.cli", "tokenswift.__main__", "tokenswift.server", "tokenswift.testing",
+)
 
 
 def module_name(path: Path) -> str:

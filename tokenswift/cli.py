@@ -12,7 +12,7 @@ import argparse
 import logging
 import sys
 
-from tokenswift import distributed
+from tokenswift import __version__, distributed
 from tokenswift.commands import (
     CliError,
     ablate,
@@ -22,6 +22,7 @@ from tokenswift.commands import (
     distill,
     fit_tree,
     generate,
+    serve,
     train_drafter,
     train_heads,
 )
@@ -31,7 +32,7 @@ EXIT_USAGE = 2
 # Each command's module by its name on the command line, in the order --help lists them.
 COMMANDS = {
     module.NAME: module
-    for module in (generate, distill, train_heads, train_drafter, fit_tree, bench, ablate, calibrate, components)
+    for module in (generate, serve, distill, train_heads, train_drafter, fit_tree, bench, ablate, calibrate, components)
 }
 
 
@@ -43,6 +44,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tokenswift", description="Lossless acceleration of ultra-long generation.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name, module in COMMANDS.items():
         module.add_arguments(sub.add_parser(name, help=module.HELP))

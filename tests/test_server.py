@@ -1,0 +1,291 @@
+"""``tokenswift serve``: a real server on loopback, driven by real clients (the openai
+package, httpx, curl). Its generations equal ``Pipeline.generate`` with the same seed,
+bad requests get one-line 4xx errors, and a client that disconnects stops its run."""
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("starlette")
+uvicorn = pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from tokenswift import Pipeline, hookimpl  # noqa: E402
+from tokenswift.server.app import Engine, create_app  # noqa: E402
+from tokenswift.server.protocol import StopScanner  # noqa: E402
+from tokenswift.testing import FIXED_TREE, tiny_model_for, word_tokenizer  # noqa: E402
+
+NAME = "tiny"
+# Plain words of the tiny vocabulary (roles are <unk>): a template the word tokenizer can
+# encode, closing turns with text, so the reply ends at max_tokens.
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}a dog {% endif %}"
+)
+MESSAGES = [{"role": "system", "content": "the cat"}, {"role": "user", "content": "the dog sat on a mat"}]
+
+
+class Slow:
+    """A step hook that makes runs slow enough to disconnect from in the middle."""
+
+    delay = 0.0
+
+    @hookimpl
+    def tokenswift_step_end(self, pipeline, step):
+        if self.delay:
+            time.sleep(self.delay)
+
+
+@pytest.fixture(scope="module")
+def served():
+    model = tiny_model_for("llama-gqa", dtype="float32")
+    tokenizer = word_tokenizer()
+    tokenizer.chat_template = TEMPLATE
+    slow = Slow()
+
+    def make_pipeline(sampling):
+        overrides = {**FIXED_TREE, "sampling": sampling} if sampling else FIXED_TREE
+        pipe = Pipeline.from_spec("tokenswift", model, tokenizer, overrides=overrides)
+        pipe.plugin_manager.register(slow)
+        return pipe
+
+    engine = Engine(make_pipeline, NAME, default_max_tokens=16)
+    server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started:
+        assert time.time() < deadline, "the server did not start"
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    yield {"url": f"http://127.0.0.1:{port}", "model": model, "tokenizer": tokenizer, "slow": slow, "engine": engine}
+    server.should_exit = True
+    thread.join(timeout=10)
+    engine.close()
+
+
+def reference(served, *, prompt=None, messages=None, max_tokens=16, seed=0, sampling=None):
+    overrides = {**FIXED_TREE, "sampling": sampling} if sampling else FIXED_TREE
+    pipe = Pipeline.from_spec("tokenswift", served["model"], served["tokenizer"], overrides=overrides)
+    return pipe.generate(prompt, max_tokens, seed=seed, messages=messages)
+
+
+def client(served):
+    return openai.OpenAI(base_url=served["url"] + "/v1", api_key="unused", max_retries=0)
+
+
+def test_models_lists_the_served_model(served):
+    assert [m.id for m in client(served).models.list()] == [NAME]
+
+
+def test_streamed_chat_completion_equals_pipeline_generate(served):
+    expected = reference(served, messages=MESSAGES, max_tokens=24, seed=5)
+    stream = client(served).chat.completions.create(
+        model=NAME, messages=MESSAGES, max_tokens=24, seed=5, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected.text and len(text) > 10
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["length"]
+    assert chunks[-1].usage.completion_tokens == len(expected.tokens) == 24
+    assert chunks[-1].usage.prompt_tokens == len(expected.prompt_tokens)
+    stats = [c.model_extra["tokenswift"] for c in chunks if c.model_extra and "tokenswift" in c.model_extra]
+    assert stats[0]["seed"] == 5 and stats[0]["tokens_per_step"] == round(expected.stats.tokens_per_step, 3)
+
+
+def test_completion_and_chat_without_streaming_equal_pipeline_generate(served):
+    openai_client = client(served)
+    expected = reference(served, prompt="the cat sat on", max_tokens=12, seed=9)
+    response = openai_client.completions.create(model=NAME, prompt="the cat sat on", max_tokens=12, seed=9)
+    assert response.choices[0].text == expected.text
+    assert response.usage.completion_tokens == 12 and response.choices[0].finish_reason == "length"
+    assert response.model_extra["tokenswift"]["new_tokens"] == 12
+
+    expected = reference(served, messages=MESSAGES, max_tokens=10, seed=2)
+    response = openai_client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=10, seed=2)
+    assert response.choices[0].message.content == expected.text
+    assert response.choices[0].message.role == "assistant"
+
+
+def test_temperature_zero_is_greedy_and_top_p_is_honoured(served):
+    openai_client = client(served)
+    greedy = reference(served, messages=MESSAGES, max_tokens=12, sampling={"greedy": True})
+    response = openai_client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=12, temperature=0, seed=4)
+    assert response.choices[0].message.content == greedy.text
+    nucleus = reference(served, messages=MESSAGES, max_tokens=12, seed=4, sampling={"temperature": 0.7, "top_p": 0.5})
+    response = openai_client.chat.completions.create(
+        model=NAME, messages=MESSAGES, max_tokens=12, temperature=0.7, top_p=0.5, seed=4
+    )
+    assert response.choices[0].message.content == nucleus.text
+    assert nucleus.text != reference(served, messages=MESSAGES, max_tokens=12, seed=4).text  # the setting mattered
+
+
+def test_stop_strings_end_the_text_before_them(served):
+    full = reference(served, prompt="the cat", max_tokens=16, seed=1).text
+    words = full.split()
+    stop = " " + words[3]  # the 4th word, with its space: the text ends after the 3rd
+    expected = full[: full.index(stop)]
+    for stream in (False, True):
+        response = client(served).completions.create(model=NAME, prompt="the cat", max_tokens=16, seed=1, stop=[stop], stream=stream)
+        if stream:
+            chunks = list(response)
+            text = "".join(c.choices[0].text for c in chunks)
+            reason = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason]
+            assert reason == ["stop"]
+        else:
+            text = response.choices[0].text
+            assert response.choices[0].finish_reason == "stop"
+        assert text == expected
+
+
+def test_stop_scanner_holds_back_what_could_begin_a_stop_string():
+    scanner = StopScanner(("END", "xy"))
+    assert scanner.push("abc E") == "abc "
+    assert scanner.push("N") == ""
+    assert scanner.push("Dmore") == ""  # "END" found: nothing of it or after it
+    assert scanner.stopped and scanner.push("more") == "" and scanner.flush() == ""
+    scanner = StopScanner(("END",))
+    assert scanner.push("abE") == "ab" and scanner.push("x") == "Ex" and scanner.flush() == ""
+    scanner = StopScanner(("END",))
+    assert scanner.push("abEN") == "ab" and scanner.flush() == "EN"
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_curl_streams_server_sent_events(served):
+    expected = reference(served, messages=MESSAGES, max_tokens=8, seed=3)
+    body = json.dumps({"model": NAME, "messages": MESSAGES, "max_tokens": 8, "seed": 3, "stream": True})
+    out = subprocess.run(
+        ["curl", "-sS", "-N", "-H", "Content-Type: application/json", "-d", body, served["url"] + "/v1/chat/completions"],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout
+    events = [line.removeprefix("data: ") for line in out.splitlines() if line]
+    assert all(line.startswith("data: ") for line in out.splitlines() if line)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == expected.text
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param", "message"),
+    [
+        ("/v1/chat/completions", {"model": "gpt-4", "messages": MESSAGES}, 404, "model", "unknown model 'gpt-4'; this server serves 'tiny'"),
+        ("/v1/chat/completions", {"model": NAME, "messages": MESSAGES, "max_tokens": -1}, 400, "max_tokens", "max_tokens must be at least 1, got -1"),
+        ("/v1/completions", {"model": NAME, "prompt": "the", "max_tokens": "ten"}, 400, "max_tokens", "max_tokens must be an integer, got 'ten'"),
+        ("/v1/chat/completions", "{not json", 400, None, "the request body is not valid JSON"),
+        ("/v1/chat/completions", {"model": NAME, "messages": MESSAGES, "max_token": 5}, 400, "max_token", "unknown field 'max_token'"),
+        ("/v1/chat/completions", {"model": NAME, "messages": MESSAGES, "logprobs": True}, 400, "logprobs", "logprobs is not supported"),
+        ("/v1/chat/completions", {"model": NAME, "messages": MESSAGES, "n": 2}, 400, "n", "n must be 1"),
+        ("/v1/chat/completions", {"model": NAME, "messages": MESSAGES, "temperature": 3}, 400, "temperature", "temperature must be in [0.0, 2.0], got 3"),
+        ("/v1/chat/completions", {"model": NAME}, 400, "messages", "messages is required"),
+        ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "robot", "content": "hi"}]}, 400, "messages", "messages[0].role must be one of"),
+        ("/v1/completions", {"model": NAME, "messages": MESSAGES}, 400, "messages", "unknown field 'messages'"),
+        ("/v1/completions", {"model": NAME, "prompt": ""}, 400, "prompt", "prompt must be a non-empty string"),
+        ("/v1/completions", {"model": NAME, "prompt": "the " * 600}, 400, "prompt", "more than the model's context of 512 positions"),
+        ("/v1/completions", {"model": NAME, "prompt": "the", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "stop takes at most 4 strings"),
+        ("/v1/embeddings", {"model": NAME}, 404, None, "no route POST /v1/embeddings"),
+    ],
+)
+def test_bad_requests_get_a_one_line_4xx(served, path, body, status, param, message):
+    content = body if isinstance(body, str) else json.dumps(body)
+    response = httpx.post(served["url"] + path, content=content, headers={"Content-Type": "application/json"}, timeout=30)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert message in error["message"] and "\n" not in error["message"]
+    assert error["param"] == param
+
+
+def test_a_client_that_disconnects_stops_its_generation(served):
+    served["slow"].delay = 0.05  # 200 tokens would take 10 s or more
+    try:
+        body = {"model": NAME, "messages": MESSAGES, "max_tokens": 200, "seed": 1, "stream": True}
+        with httpx.stream("POST", served["url"] + "/v1/chat/completions", json=body, timeout=30) as response:
+            lines = response.iter_lines()
+            received = [next(lines) for _ in range(6)]  # role chunk, blank, two content chunks...
+        assert any('"content"' in line for line in received)
+        deadline = time.time() + 20
+        while True:
+            health = httpx.get(served["url"] + "/health", timeout=5).json()
+            if health["running"] == 0 and health["last"] and health["last"]["finish_reason"] == "disconnected":
+                break
+            assert time.time() < deadline, f"the generation did not stop: {health}"
+            time.sleep(0.05)
+        assert 0 < health["last"]["completion_tokens"] < 200
+    finally:
+        served["slow"].delay = 0.0
+    # the server goes on serving
+    expected = reference(served, prompt="the mat", max_tokens=6, seed=2)
+    assert client(served).completions.create(model=NAME, prompt="the mat", max_tokens=6, seed=2).choices[0].text == expected.text
+
+
+def test_concurrent_requests_run_in_turn_and_each_gets_its_own(served):
+    prompts = ["the cat", "a dog sat", "on the mat"]
+    results: dict[str, str] = {}
+
+    def ask(prompt):
+        results[prompt] = client(served).completions.create(model=NAME, prompt=prompt, max_tokens=10, seed=7).choices[0].text
+
+    threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert results == {p: reference(served, prompt=p, max_tokens=10, seed=7).text for p in prompts}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_command_starts_a_server_and_stops_on_sigterm(model_dir):
+    port = _free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tokenswift", "serve", "--model", str(model_dir), "--dtype", "float32", "--preset", "ar",
+         "--port", str(port), "--served-name", "mini"],
+        stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        url, deadline = f"http://127.0.0.1:{port}", time.time() + 120
+        while True:
+            try:
+                models = httpx.get(url + "/v1/models", timeout=2).json()
+                break
+            except httpx.TransportError:
+                assert process.poll() is None, process.stderr.read()
+                assert time.time() < deadline, "tokenswift serve did not start"
+                time.sleep(0.2)
+        assert [m["id"] for m in models["data"]] == ["mini"]
+        response = httpx.post(url + "/v1/completions", json={"model": "mini", "prompt": "the cat", "max_tokens": 5, "seed": 1}, timeout=60)
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 5
+        # the saved tiny model's tokenizer has no chat template: a clear 400, not a crash
+        response = httpx.post(url + "/v1/chat/completions", json={"model": "mini", "messages": MESSAGES}, timeout=60)
+        assert response.status_code == 400 and "has no chat template" in response.json()["error"]["message"]
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    assert "serving 'mini' (preset 'ar') on http://127.0.0.1:" in process.stderr.read()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["serve", "--port", "70000"], "--port must be in [0, 65535], got 70000"),
+        (["serve", "--default-max-tokens", "0"], "--default-max-tokens must be a positive integer, got 0"),
+    ],
+)
+def test_serve_bad_flags_are_one_line(argv, message, capsys):
+    from tokenswift.cli import main
+
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip() == f"tokenswift: error: {message}"
