@@ -33,7 +33,7 @@ from tokenswift.memory import WORKING_SLACK, MemoryEstimate, available_bytes, gi
 from tokenswift.model.dtypes import prefill_dtype
 from tokenswift.model.loading import load_model
 from tokenswift.model.runner import Runner
-from tokenswift.prompts import chat_template_text, end_of_turn_ids
+from tokenswift.prompts import chat_template_text, run_end_ids
 from tokenswift.registry import PluginManager, Registry, build_registry, get_plugin_manager
 from tokenswift.scoring import Scorer
 from tokenswift.speculation import AutoSpeculator, Speculator
@@ -85,7 +85,7 @@ class Pipeline:
         context = BuildContext(spec=spec, runner=self.runner, tokenizer=tokenizer)
         # Built in dependency order: the others score positions with the penalty.
         self.penalty = registry.build("penalty", spec.penalty, context)
-        self.scorer = context.scorer = Scorer(self.penalty, spec.sampling)
+        self.scorer = context.scorer = Scorer(self.penalty, spec.sampling, exempt=self.eos_token_ids())
         self.verifier = registry.build("verifier", spec.verifier, context)
         self.cache_policy = registry.build("cache", spec.cache, context)
         self.retriever = registry.build("retriever", spec.retriever, context)
@@ -164,15 +164,7 @@ class Pipeline:
     def eos_token_ids(self) -> set[int]:
         """The ids that end a run (unless it ignores EOS): the model's and tokenizer's
         EOS, and the token its chat template closes an assistant turn with."""
-        ids: set[int] = set()
-        for source in (getattr(self.model, "generation_config", None), self.tokenizer):
-            value = getattr(source, "eos_token_id", None)
-            if value is None:
-                continue
-            ids.update([value] if isinstance(value, int) else list(value))
-        if self.tokenizer is not None:
-            ids |= end_of_turn_ids(self.tokenizer)
-        return ids
+        return run_end_ids(self.model, self.tokenizer)
 
     def chat_prompt(self, messages: list[dict]) -> str:
         """The text a chat (``[{"role": "system" | "user" | "assistant", "content": ...}]``)

@@ -92,3 +92,17 @@ def end_of_turn_ids(tokenizer) -> set[int]:
     special = set(getattr(tokenizer, "all_special_ids", ()) or ())
     special |= {i for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(token, "special", False)}
     return {ids[0]} if ids and ids[0] in special else set()
+
+
+def run_end_ids(model, tokenizer) -> set[int]:
+    """The ids that end a run: the model's generation config's and the tokenizer's EOS,
+    and the token the chat template closes an assistant turn with."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if value is None:
+            continue
+        ids.update([value] if isinstance(value, int) else list(value))
+    if tokenizer is not None:
+        ids |= end_of_turn_ids(tokenizer)
+    return ids

@@ -31,11 +31,18 @@ class PenaltyFunction(Protocol):
 
 
 class Scorer:
-    """The pipeline's penalty component followed by the warpers of its sampling spec."""
+    """The pipeline's penalty component followed by the warpers of its sampling spec.
 
-    def __init__(self, penalty: PenaltyFunction, sampling: SamplingSpec) -> None:
+    ``exempt``: token ids the penalty never touches: the ids that end a run (EOS, the
+    chat template's end of turn). They occur in every chat prompt's window, and a
+    repetition penalty on them would keep an instruct model from ever ending its reply.
+    """
+
+    def __init__(self, penalty: PenaltyFunction, sampling: SamplingSpec, exempt: Sequence[int] = ()) -> None:
         self.penalty = penalty
         self.sampling = sampling
+        self.exempt = tuple(sorted({int(t) for t in exempt}))
+        self._exempt_index: dict[torch.device, torch.Tensor] = {}
         self._warpers: dict[torch.device, object] = {}  # some warpers keep tensors: one set per device
 
     @property
@@ -50,8 +57,17 @@ class Scorer:
         return torch.tensor([tail], dtype=torch.long, device=device)
 
     def penalize(self, contexts: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """The penalty alone. contexts: [n, W] long; logits: [n, vocab]."""
-        return self.penalty.apply(contexts, logits)
+        """The penalty alone, the :attr:`exempt` ids left as they were. contexts:
+        [n, W] long; logits: [n, vocab]."""
+        if not self.exempt or contexts.shape[-1] == 0:
+            return self.penalty.apply(contexts, logits)
+        index = self._exempt_index.get(logits.device)
+        if index is None:
+            index = self._exempt_index[logits.device] = torch.tensor(self.exempt, dtype=torch.long, device=logits.device)
+        kept = logits.index_select(-1, index)  # a copy: the penalty may work in place
+        penalized = self.penalty.apply(contexts, logits)
+        penalized[..., index] = kept
+        return penalized
 
     def warp(self, contexts: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """The sampling warpers alone (filtered entries at -inf). scores: [n, vocab]."""

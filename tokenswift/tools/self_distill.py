@@ -32,6 +32,7 @@ import torch
 from transformers import LogitsProcessorList
 
 from tokenswift.penalties.contextual import ContextualPenalty
+from tokenswift.prompts import run_end_ids
 from tokenswift.scoring import Scorer
 from tokenswift.spec import SamplingSpec
 from tokenswift.tools.bench import PenaltyProcessor
@@ -85,7 +86,9 @@ def distill(
     corpus = read_corpus(data, tokenizer, config.holdout)
     device = next(model.parameters()).device
     penalty = ContextualPenalty(ContextualPenalty.Options(value=config.penalty, window=config.penalty_window), None)
-    processors = LogitsProcessorList([PenaltyProcessor(Scorer(penalty, SamplingSpec(greedy=True)))])
+    # the penalty as the pipelines score (the ids that end a run exempt), so the corpus is what they write
+    scorer = Scorer(penalty, SamplingSpec(greedy=True), exempt=run_end_ids(model, tokenizer))
+    processors = LogitsProcessorList([PenaltyProcessor(scorer)])
     started, written, generated = time.perf_counter(), [], 0
     for index in range(config.shards):
         path = shard_path(out_dir, index)
