@@ -180,3 +180,18 @@ def test_lossless_through_the_blocked_kernel_path(preset, greedy):
     assert set(calls) <= {64}
     if preset != "eagle":
         assert calls
+
+
+def test_measurements_are_keyed_by_the_attention_path(monkeypatch):
+    """A calibration measured before the kernel served decode steps (their cost grows
+    twice as fast with the context without it) must not predict steps that use it."""
+    from tokenswift.records import machine_key
+
+    runner = Runner(tiny_model_for("llama-gqa", dtype="float32"))
+    monkeypatch.setattr(kernels, "available", lambda: True)
+    with_kernel = machine_key(runner)
+    monkeypatch.setattr(kernels, "available", lambda: False)
+    without = machine_key(runner)
+    assert with_kernel != without
+    monkeypatch.setattr(kernels, "available", lambda: True)
+    assert machine_key(runner) == with_kernel  # stable otherwise

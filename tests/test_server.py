@@ -71,10 +71,13 @@ def served():
     engine.close()
 
 
-def reference(served, *, prompt=None, messages=None, max_tokens=16, seed=0, sampling=None):
+def reference(served, *, prompt=None, messages=None, max_tokens=16, seed=0, sampling=None, steps=None):
+    """``Pipeline.generate`` as the server runs it; ``steps``: a list to append each
+    step's text to (the server sends one event per step)."""
     overrides = {**FIXED_TREE, "sampling": sampling} if sampling else FIXED_TREE
     pipe = Pipeline.from_spec("tokenswift", served["model"], served["tokenizer"], overrides=overrides)
-    return pipe.generate(prompt, max_tokens, seed=seed, messages=messages)
+    stream = (lambda chunk: steps.append(chunk.text) if chunk.text else None) if steps is not None else None
+    return pipe.generate(prompt, max_tokens, seed=seed, messages=messages, stream=stream)
 
 
 def client(served):
@@ -86,13 +89,15 @@ def test_models_lists_the_served_model(served):
 
 
 def test_streamed_chat_completion_equals_pipeline_generate(served):
-    expected = reference(served, messages=MESSAGES, max_tokens=24, seed=5)
+    steps: list[str] = []
+    expected = reference(served, messages=MESSAGES, max_tokens=24, seed=5, steps=steps)
     stream = client(served).chat.completions.create(
         model=NAME, messages=MESSAGES, max_tokens=24, seed=5, stream=True, stream_options={"include_usage": True}
     )
     chunks = list(stream)
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == expected.text and len(text) > 10
+    deltas = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert deltas == steps and len(steps) > 3  # step by step, as the pipeline committed them
+    assert "".join(deltas) == expected.text
     assert chunks[0].choices[0].delta.role == "assistant"
     finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finals == ["length"]

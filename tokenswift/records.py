@@ -20,6 +20,7 @@ from typing import ClassVar, TypeVar
 import attrs
 import torch
 
+from tokenswift import kernels
 from tokenswift.machine import machine_name
 from tokenswift.paths import cache_dir
 
@@ -42,6 +43,15 @@ def model_shape(runner) -> dict:
     }
 
 
+def attention_path(device: torch.device) -> str:
+    """"kernel <build key>" where tokenswift's CPU decode kernel serves this device's
+    one- and two-token steps (building it, at the first call, if it can be), else
+    "pytorch"."""
+    if device.type == "cpu" and kernels.available():
+        return f"kernel {kernels.build_key()} up to {kernels.MAX_TOKENS} tokens"
+    return "pytorch"
+
+
 def machine_key(runner) -> str:
     """The key of ``runner``'s measurements: machine, threads, torch, device, dtype, model shape."""
     identity = {
@@ -52,6 +62,8 @@ def machine_key(runner) -> str:
         "dtype": str(runner.dtype).removeprefix("torch."),
         "model": model_shape(runner),
         "format": CALIBRATION_FORMAT,
+        # which attention decode steps run through: measurements of one are no guide to the other
+        "attention": attention_path(runner.device),
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
