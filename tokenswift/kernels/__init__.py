@@ -89,7 +89,9 @@ def chunk_size(keys: int, kv_heads: int) -> int:
     """Keys per work item: enough items for every thread several times over, each big
     enough that its fixed costs do not matter."""
     per_head = max(1, -(-4 * torch.get_num_threads() // kv_heads))
-    return max(64, min(256, -(-keys // per_head)))
+    # Up to 1,024 keys: 30 layers of 64K positions ran 4% faster than with 256 (a
+    # 2-core Sapphire Rapids; 64 to 16K keys all within 10%).
+    return max(64, min(1024, -(-keys // per_head)))
 
 
 def serves(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
