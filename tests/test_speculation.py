@@ -141,6 +141,29 @@ def test_pass_chooser_prefers_the_faster_arm_and_keeps_exploring():
     assert picks.count(True) == 6 and picks.count(False) == 2  # explores the other arm every 4th step
 
 
+def test_pass_chooser_tries_a_losing_arm_ever_less_often_and_switches_when_it_wins():
+    chooser = PassChooser(explore_every=4, longest=16)
+    chooser.run_pass(), chooser.observe(True, tokens=1, seconds=0.1)  # 10 tokens/s with the pass
+    chooser.run_pass(), chooser.observe(False, tokens=3, seconds=0.1)  # 30 without
+    tries = []
+    for step in range(60):
+        ran = chooser.run_pass()
+        if ran:
+            tries.append(step)
+        chooser.observe(ran, tokens=1 if ran else 3, seconds=0.1)
+    assert tries[0] == 3 and [b - a for a, b in zip(tries, tries[1:])] == [8, 16, 16, 16]  # 4th step, then 8, 16, at most 16
+    # the pass arm becomes the faster one: once tried, it stays
+    chooser = PassChooser(explore_every=4)
+    chooser.run_pass(), chooser.observe(True, tokens=1, seconds=0.1)
+    chooser.run_pass(), chooser.observe(False, tokens=3, seconds=0.1)
+    picks = []
+    for _ in range(40):
+        ran = chooser.run_pass()
+        picks.append(ran)
+        chooser.observe(ran, tokens=30 if ran else 3, seconds=0.1)  # passes now pay 10x
+    assert picks[3] is True and picks[4:].count(False) <= 3  # switched; the other arm only tried, ever less often
+
+
 # -- in the pipeline ---------------------------------------------------------------------------
 
 
