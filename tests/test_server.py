@@ -294,3 +294,12 @@ def test_serve_bad_flags_are_one_line(argv, message, capsys):
 
     assert main(argv) == 2
     assert capsys.readouterr().err.strip() == f"tokenswift: error: {message}"
+
+
+def test_serve_without_the_serve_extra_says_how_to_get_it(monkeypatch, capsys):
+    from tokenswift.cli import main
+
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if it were not installed
+    assert main(["serve"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "tokenswift: error: tokenswift serve needs the serve extra (uvicorn is missing): pip install 'tokenswift[serve]'"
