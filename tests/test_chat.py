@@ -10,7 +10,7 @@ from tokenswift.penalties.contextual import ContextualPenalty
 from tokenswift.prompts import end_of_turn_ids, run_end_ids
 from tokenswift.scoring import Scorer
 from tokenswift.spec import SamplingSpec
-from tokenswift.testing import TINY_CONFIGS, word_tokenizer
+from tokenswift.testing import FIXED_TREE, TINY_CONFIGS, word_tokenizer
 
 START, END = "w62", "w63"  # words of the tiny vocabulary, made special: ChatML's markers
 CHATML = (
@@ -65,7 +65,7 @@ def test_a_reply_ends_at_the_end_of_turn_token_despite_the_penalty():
     assert first != end
     with torch.no_grad():
         model.lm_head.weight[end] = 2 * model.lm_head.weight[first]
-    penalised = {**greedy, "penalty": {"name": "contextual", "value": 3.0, "window": 64}}
+    penalised = {**greedy, **FIXED_TREE, "penalty": {"name": "contextual", "value": 3.0, "window": 64}}
     for preset in ("ar", "tokenswift"):
         pipe = Pipeline.from_spec(preset, model, tokenizer, overrides=penalised)
         assert pipe.encode(pipe.chat_prompt(MESSAGES)).count(end) == 1  # the end of turn is in the window

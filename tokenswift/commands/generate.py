@@ -78,13 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
 
 
-def _read_prompt(args, pipe) -> str:
-    if args.chat is not None:
-        from tokenswift.prompts import chat_messages
-
-        if not args.chat.strip():
-            raise CliError("--chat: the instruction is empty")
-        return pipe.chat_prompt(chat_messages(args.chat, args.system))
+def _read_prompt(args) -> str:
     if args.prompt is not None:
         return args.prompt
     if args.prompt_file is not None:
@@ -146,16 +140,21 @@ def run(args, argv: list[str] | None = None) -> int:
             raise CliError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
         if args.checkpoint_every <= 0:
             raise CliError(f"--checkpoint-every must be a positive integer, got {args.checkpoint_every}")
-        if args.system is not None and args.chat is None:
+        if args.chat is not None:
+            if not args.chat.strip():
+                raise CliError("--chat: the instruction is empty")
+        elif args.system is not None:
             raise CliError("--system goes with --chat (a system prompt for a chat instruction)")
-        if args.chat is None:
-            prompt = _read_prompt(args, None)
+        else:
+            prompt = _read_prompt(args)
             if not prompt.strip():
                 raise CliError("the prompt is empty")
         spec, overrides = spec_and_overrides(args)
         pipe = Pipeline.from_spec(spec, overrides=overrides)
-        if args.chat is not None:
-            prompt = _read_prompt(args, pipe)
+        if args.chat is not None:  # the template is the model's: known once it is loaded
+            from tokenswift.prompts import chat_messages
+
+            prompt = pipe.chat_prompt(chat_messages(args.chat, args.system))
         max_new_tokens = args.max_new_tokens
         prompt = pipe.check(prompt, max_new_tokens)  # refuse a bad run before any file is opened
 

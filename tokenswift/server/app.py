@@ -31,6 +31,7 @@ from typing import Any
 
 import attrs
 
+from tokenswift.errors import TokenswiftError
 from tokenswift.pipeline import GenerationResult, Pipeline
 from tokenswift.server.protocol import GenerationRequest, RequestError, StopScanner, parse_request, sampling_overrides
 
@@ -97,11 +98,7 @@ class Engine:
         try:
             prompt = pipe.chat_prompt(list(request.messages)) if request.chat else request.prompt
             pipe.check(prompt, self.max_tokens(request))
-        except (ValueError, TypeError) as exc:
-            raise RequestError(str(exc), param="messages" if request.chat else "prompt") from None
-        except RequestError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer without a chat template
+        except (ValueError, TypeError, TokenswiftError) as exc:  # e.g. a tokenizer without a chat template
             raise RequestError(str(exc), param="messages" if request.chat else "prompt") from None
 
     def max_tokens(self, request: GenerationRequest) -> int:

@@ -230,7 +230,7 @@ def fit_for_heads(
             noise = None
             if not ar.spec.sampling.greedy and ar.spec.sampling.sampler == "coupled":
                 sampler, vocab = CoupledSampler(seed), ar.runner.vocab_size
-                noise = lambda position, sampler=sampler: sampler.noise(position, vocab)  # noqa: E731
+                noise = lambda position, sampler=sampler, vocab=vocab: sampler.noise(position, vocab)  # noqa: E731
             replayed = replay(model, heads, list(prompt) + result.tokens, len(prompt), ar.scorer, noise=noise)
             ranks[seed, decoding] = tokenswift_ranks(replayed, depth)
             logger.info("seed %d, %s: %d tokens replayed", seed, decoding, len(result.tokens))
