@@ -112,3 +112,52 @@ def test_cli_train_heads_init_starts_from_trained_heads(tmp_path, capsys):
                  "--init", str(tmp_path / "a")])
     err = capsys.readouterr().err
     assert code == 2 and "3 heads there" in err
+
+
+def feature_cache(model, corpus, directory, penalty=1.0):
+    """The target's cached features over windows of ``corpus`` (train-drafter's first phase)."""
+    from tokenswift.tools.drafter_training import DrafterTrainConfig, cache_features, load_feature_cache
+
+    cache_features(model, corpus, directory, DrafterTrainConfig(windows=16, seq_len=32))
+    return load_feature_cache(model, directory, penalty)
+
+
+def test_self_distilled_heads_learn_the_target(tmp_path):
+    model = looping_model()
+    corpus = cyclic_corpus()
+    cache = feature_cache(model, corpus, tmp_path / "features")
+    assert cache.windows.shape == (16, 32) and cache.features.shape[:2] == (16, 32)
+    # the cached greedy tokens are the target's own next tokens after the text so far
+    logits = model(cache.windows[:1]).logits[0]
+    assert torch.equal(cache.greedy[0], logits.argmax(-1))
+    config = TrainConfig(steps=40, penalty=1.0, **CONFIG)
+    record = train_heads(model, corpus, tmp_path / "heads", config, cache=cache)
+    accuracy = record["held_out_accuracy"]
+    assert min(accuracy["greedy_top1"]) > 0.9, accuracy  # each head predicts the target i + 2 tokens ahead
+    assert record["trained_on"].startswith("the target's own")
+
+
+def test_feature_cache_errors_name_the_folder(tmp_path):
+    from tokenswift.tools.drafter_training import load_feature_cache
+
+    with pytest.raises(Exception, match=r"no cached features in .*empty"):
+        load_feature_cache(looping_model(), tmp_path / "empty", 1.0)
+
+
+def test_cli_train_heads_on_the_targets_features(tmp_path, capsys):
+    model_dir, data = model_and_books(tmp_path)
+    features = tmp_path / "features"
+    common = ["--model", str(model_dir), "--dtype", "float32", "--data", str(data), "--seq-len", "32", "--holdout", "held"]
+    assert main(["train-drafter", *common, "--out", str(tmp_path / "eagle"), "--features", str(features),
+                 "--windows", "8", "--steps", "1", "--batch", "2"]) == 0
+    out = tmp_path / "heads"
+    assert main(["train-heads", *common, "--out", str(out), "--features", str(features), "--steps", "3",
+                 "--batch", "2"]) == 0
+    record = json.loads((out / "training.json").read_text())
+    assert record["features"] == str(features) and record["tokens_seen"] == 3 * 2 * 32
+    assert len(record["held_out_accuracy"]["greedy_top1"]) == 3
+    assert "the target's greedy token" in capsys.readouterr().err
+    code = main(["train-heads", *common, "--out", str(tmp_path / "x"), "--features", str(tmp_path / "none")])
+    assert code == 2 and "no cached features" in capsys.readouterr().err
+    code = main(["train-heads", *common, "--out", str(tmp_path / "x"), "--features", str(features), "--penalty", "0.5"])
+    assert code == 2 and "penalty" in capsys.readouterr().err

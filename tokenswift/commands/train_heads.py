@@ -23,6 +23,15 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="bfloat16")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     parser.add_argument("--data", required=True, help="JSON Lines file, one object with a 'text' key per line")
+    parser.add_argument(
+        "--features",
+        help="train on the target's own text: a folder of its cached features (made by `train-drafter --features`) "
+        "from the self-distilled corpus that --data names (whose held-out part scores the heads)",
+    )
+    parser.add_argument(
+        "--penalty", type=float, default=default["penalty"],
+        help="with --features: the contextual penalty of the target distribution the heads learn (default %(default)s)",
+    )
     parser.add_argument("--out", required=True, help="directory for the heads, checkpoints and training.json")
     parser.add_argument("--steps", type=int, default=default["steps"])
     parser.add_argument("--seq-len", type=int, default=default["seq_len"])
@@ -58,6 +67,7 @@ def run(args, argv: list[str] | None = None) -> int:
             checkpoint_every=args.checkpoint_every,
             holdout=tuple(name.strip() for name in args.holdout.split(",") if name.strip()),
             init=args.init,
+            penalty=args.penalty,
         )
     except ValueError as exc:
         raise CliError(f"train-heads: {exc}") from None
@@ -65,6 +75,13 @@ def run(args, argv: list[str] | None = None) -> int:
     if tokenizer is None:
         raise CliError(f"train-heads needs a tokenizer, and none was found with {args.model}")
     corpus = read_corpus(args.data, tokenizer, config.holdout)
+    cache = None
+    if args.features:
+        from tokenswift.tools.drafter_training import load_feature_cache
+
+        cache = load_feature_cache(model, args.features, config.penalty)
+        print(f"self-distillation: {cache.windows.numel():,} cached positions of the target's own text "
+              f"in {args.features}", file=sys.stderr)
     print(
         f"training {config.num_heads} heads on {len(corpus.train):,} tokens ({len(corpus.train_ids)} books); "
         f"held out: {', '.join(corpus.held_out_ids)} ({len(corpus.held_out):,} tokens)",
@@ -88,14 +105,17 @@ def run(args, argv: list[str] | None = None) -> int:
             bar.close()
             print("evaluating on the held-out text...", file=sys.stderr)
 
-    record = train_heads(model, corpus, args.out, config, resume=args.resume, progress=progress_and_close)
+    record = train_heads(model, corpus, args.out, config, resume=args.resume, progress=progress_and_close, cache=cache)
     record["command"] = command_line(argv)
     record["model"] = args.model
     record["dtype"] = args.dtype
     record["device"] = device_name(model)
     record["data"] = str(args.data)
+    if args.features:
+        record["features"] = str(args.features)
     Path(args.out, "training.json").write_text(json.dumps(record, indent=2) + "\n")
     acc = record["held_out_accuracy"]
     print(f"held-out accuracy: top-1 {acc['top1']}, top-3 {acc['top3']} (LM head top-1 {acc['lm_head_top1']}); "
+          f"the target's greedy token: top-1 {acc['greedy_top1']}, top-3 {acc['greedy_top3']}; "
           f"{record['wall_seconds']:.0f} s", file=sys.stderr)
     return 0

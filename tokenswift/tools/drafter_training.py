@@ -43,7 +43,9 @@ from safetensors.torch import load_file, save_file
 from tokenswift.drafters.feature_net import FeatureNet, draft_vocabulary, find_shipped_drafter
 from tokenswift.errors import TokenswiftError
 from tokenswift.machine import native_bfloat16
-from tokenswift.tools.training import Corpus, TrainingState, base_hidden, lr_factor, sample_windows
+from tokenswift.tools.training import (
+    Corpus, FeatureCache, TrainingState, base_hidden, first_seen, greedy_tokens, lr_factor, penalize, sample_windows,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -161,14 +163,30 @@ def cache_targets(
     return torch.cat(out)
 
 
-def greedy_tokens(window: torch.Tensor, logits: torch.Tensor, penalty: float) -> torch.Tensor:
-    """window: [T] ids; logits: [T, V] the target's at each position -> [T] its greedy
-    next token there, after the contextual penalty over window[: t + 1]."""
-    t, vocab = logits.shape
-    first = torch.full((vocab,), t, dtype=torch.long, device=logits.device)
-    first.scatter_reduce_(0, window.to(logits.device), torch.arange(t, device=logits.device), reduce="amin")
-    seen = first[None, :] <= torch.arange(t, device=logits.device)[:, None]  # [T, V]
-    return penalize(logits.float(), seen, penalty).argmax(-1)
+def load_feature_cache(model, directory: str | os.PathLike, penalty: float) -> FeatureCache:
+    """Every complete chunk of a feature folder made by :func:`cache_features`, with the
+    target's greedy tokens (:func:`cache_targets`, computed where missing), e.g. to
+    train draft heads on the target's own text (``train-heads --features``)."""
+    directory = Path(directory)
+    paths = sorted(directory.glob("chunk-*.safetensors"))
+    if not paths:
+        raise TokenswiftError(
+            f"no cached features in {directory} (make them with `tokenswift train-drafter --features {directory}`)"
+        )
+    tokens, features = [], []
+    for path in paths:
+        try:
+            data = load_file(path)
+        except Exception as exc:
+            raise TokenswiftError(f"cannot read the feature chunk {path}: {exc}") from None
+        tokens.append(data["tokens"])
+        features.append(data["features"])
+    windows, features = torch.cat(tokens), torch.cat(features)
+    hidden = model.get_output_embeddings().weight.shape[1]
+    if features.shape[-1] != hidden:
+        raise TokenswiftError(f"{directory} holds features of size {features.shape[-1]}, this model's are {hidden}")
+    greedy = cache_targets(model, windows, features, directory, penalty)
+    return FeatureCache(windows=windows, features=features, greedy=greedy)
 
 
 # -- phase 2: the network -------------------------------------------------------------
@@ -330,23 +348,6 @@ def train_drafter(
     }
     (out_dir / RECORD).write_text(json.dumps(record, indent=2) + "\n")
     return record
-
-
-def penalize(logits: torch.Tensor, seen: torch.Tensor | None, penalty: float) -> torch.Tensor:
-    """The contextual penalty on ``logits`` where ``seen`` (same shape, bool) is True."""
-    if seen is None or penalty == 1.0:
-        return logits
-    return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
-
-
-def first_seen(tokens: torch.Tensor, draft_index: torch.Tensor, size: int) -> torch.Tensor:
-    """[B, T] ids -> [B, size] long: the first index at which each draft-vocabulary row
-    occurs (T where it does not; ids outside the vocabulary map to ``draft_index``'s
-    extra row, dropped). Row v was seen by position t iff ``first[b, v] <= t``."""
-    b, t = tokens.shape
-    first = torch.full((b, size + 1), t, dtype=torch.long, device=tokens.device)
-    index = torch.arange(t, device=tokens.device).expand(b, t)
-    return first.scatter_reduce(1, draft_index[tokens], index, reduce="amin")[:, :size]
 
 
 def level_losses(net, embed, head, inputs, truth, tokens, depth, positions, seen=None, penalty=1.0, greedy=None, draft_index=None):

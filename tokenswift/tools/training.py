@@ -8,6 +8,15 @@ decay 0.1, cosine schedule with warmup.
 Text comes from a JSON Lines file (one object per line with a ``text`` key, as
 ``shared/data/pg_books.jsonl``); whole books named by ``holdout`` are kept out of
 training and used for the final per-head top-1/top-3 accuracy.
+
+**Self-distillation.** Given a :class:`FeatureCache` (the target's own generations
+with their cached final-norm features and greedy next tokens, made by
+``train-drafter``'s first phase), the heads learn what the *target* would write, not
+the book: head i at position t takes ``soft_weight`` times the cross-entropy from the
+target's next-token distribution at position t + i + 1 (its LM head on the cached
+feature, after the contextual penalty: what verification draws from) plus
+``hard_weight`` times the cross-entropy on the target's greedy token there, and no
+base forward runs per step.
 """
 
 from __future__ import annotations
@@ -52,6 +61,30 @@ class TrainConfig:
     # Start from trained heads (a train-heads directory, or "shipped": the ones shipped
     # for the model) instead of fresh ones; their number of heads is kept.
     init: str | None = None
+    # Self-distillation only (a FeatureCache given): the loss's weights, and the
+    # contextual penalty of the target distribution the soft loss compares with.
+    soft_weight: float = attrs.field(default=1.0, validator=attrs.validators.ge(0))
+    hard_weight: float = attrs.field(default=0.5, validator=attrs.validators.ge(0))
+    penalty: float = attrs.field(default=1.2, validator=attrs.validators.ge(1.0))
+
+
+@attrs.frozen(kw_only=True)
+class FeatureCache:
+    """The target's cached windows of its own text: windows [N, T] ids, features
+    [N, T, hidden] (its final-norm hidden states), greedy [N, T] (its greedy next token
+    after each position, contextual penalty applied)."""
+
+    windows: torch.Tensor
+    features: torch.Tensor
+    greedy: torch.Tensor
+
+    def __attrs_post_init__(self) -> None:
+        n, t = self.windows.shape
+        if self.features.shape[:2] != (n, t) or self.greedy.shape != (n, t):
+            raise TokenswiftError(
+                f"feature cache shapes disagree: windows {tuple(self.windows.shape)}, "
+                f"features {tuple(self.features.shape)}, greedy {tuple(self.greedy.shape)}"
+            )
 
 
 @attrs.frozen(kw_only=True)
@@ -117,6 +150,36 @@ def base_hidden(model, windows: torch.Tensor) -> torch.Tensor:
     return model.get_decoder()(input_ids=windows, use_cache=False).last_hidden_state
 
 
+# -- the target's processed next-token distribution (shared with drafter training) --
+
+
+def penalize(logits: torch.Tensor, seen: torch.Tensor | None, penalty: float) -> torch.Tensor:
+    """The contextual penalty on ``logits`` where ``seen`` (same shape, bool) is True."""
+    if seen is None or penalty == 1.0:
+        return logits
+    return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+
+
+def first_seen(tokens: torch.Tensor, draft_index: torch.Tensor, size: int) -> torch.Tensor:
+    """[B, T] ids -> [B, size] long: the first index at which each draft-vocabulary row
+    occurs (T where it does not; ids outside the vocabulary map to ``draft_index``'s
+    extra row, dropped). Row v was seen by position t iff ``first[b, v] <= t``."""
+    b, t = tokens.shape
+    first = torch.full((b, size + 1), t, dtype=torch.long, device=tokens.device)
+    index = torch.arange(t, device=tokens.device).expand(b, t)
+    return first.scatter_reduce(1, draft_index[tokens], index, reduce="amin")[:, :size]
+
+
+def greedy_tokens(window: torch.Tensor, logits: torch.Tensor, penalty: float) -> torch.Tensor:
+    """window: [T] ids; logits: [T, V] the target's at each position -> [T] its greedy
+    next token there, after the contextual penalty over window[: t + 1]."""
+    t, vocab = logits.shape
+    first = torch.full((vocab,), t, dtype=torch.long, device=logits.device)
+    first.scatter_reduce_(0, window.to(logits.device), torch.arange(t, device=logits.device), reduce="amin")
+    seen = first[None, :] <= torch.arange(t, device=logits.device)[:, None]  # [T, V]
+    return penalize(logits.float(), seen, penalty).argmax(-1)
+
+
 def head_losses(heads: DraftHeads, lm_head, hidden: torch.Tensor, windows: torch.Tensor, positions: torch.Tensor):
     """Per-head cross-entropy and top-1 accuracy at ``positions`` ([P], each below
     T - num_heads - 1). Head i (0-based) at position t is scored against token t + i + 2."""
@@ -130,31 +193,74 @@ def head_losses(heads: DraftHeads, lm_head, hidden: torch.Tensor, windows: torch
     return torch.stack(losses), torch.stack(accuracies)
 
 
+def distilled_head_losses(
+    heads: DraftHeads, lm_head, hidden: torch.Tensor, windows: torch.Tensor, greedy: torch.Tensor,
+    positions: torch.Tensor, config: TrainConfig,
+):
+    """Per-head loss and top-1 agreement against the target itself. hidden: [B, T, H]
+    the target's cached features; windows: [B, T] its text; greedy: [B, T] its greedy
+    next token after each position; positions: [P] (each below T - num_heads - 1).
+    Head i (0-based) at position t is compared with the target at position t + i + 1:
+    its distribution there (after the contextual penalty over the window so far) and
+    its greedy token."""
+    vocab = lm_head.weight.shape[0]
+    seen = first_seen(windows, torch.arange(vocab, device=windows.device), vocab) if config.penalty != 1.0 else None
+    outputs = heads(hidden[:, positions].to(next(heads.parameters()).dtype))  # [B, P, k, H]
+    losses, agreement = [], []
+    for i in range(heads.num_heads):
+        at = positions + i + 1
+        with torch.no_grad():
+            context = None if seen is None else seen[:, None, :] <= at[None, :, None]  # [B, P, V]
+            target = penalize(lm_head(hidden[:, at].to(lm_head.weight.dtype)).float(), context, config.penalty)
+            target = target.softmax(-1)
+            label = greedy[:, at]  # [B, P]
+        log_q = lm_head(outputs[:, :, i].to(lm_head.weight.dtype)).float().log_softmax(-1)  # [B, P, V]
+        soft = -(target * log_q).sum(-1).mean()
+        hard = -log_q.gather(-1, label[..., None]).mean()
+        losses.append(config.soft_weight * soft + config.hard_weight * hard)
+        agreement.append((log_q.argmax(-1) == label).float().mean())
+    return torch.stack(losses), torch.stack(agreement)
+
+
 @torch.no_grad()
 def evaluate(heads: DraftHeads, model, tokens: torch.Tensor, config: TrainConfig) -> dict[str, list[float]]:
-    """Per-head top-1 / top-3 accuracy on held-out windows."""
+    """Per-head top-1 / top-3 accuracy on held-out windows against the text
+    (``top1``/``top3``: head i at t against token t + i + 2) and, as greedy decoding
+    accepts it, against the target's own greedy token there given the text so far
+    (``greedy_top1``/``greedy_top3``; contextual penalty ``config.penalty``)."""
     generator = torch.Generator().manual_seed(config.seed + 1)
     top1 = torch.zeros(heads.num_heads)
     top3 = torch.zeros(heads.num_heads)
+    greedy1 = torch.zeros(heads.num_heads)
+    greedy3 = torch.zeros(heads.num_heads)
     base1 = 0.0
     batches = math.ceil(config.eval_windows / config.batch)
     device = next(model.parameters()).device
+    lm_head = model.get_output_embeddings()
     for _ in range(batches):
         windows = sample_windows(tokens, config.batch, config.seq_len, generator).to(device)
         hidden = base_hidden(model, windows)
         outputs = heads(hidden.to(next(heads.parameters()).dtype)).to(hidden.dtype)
-        base1 += float((model.get_output_embeddings()(hidden[:, :-1]).argmax(-1) == windows[:, 1:]).float().mean())
+        full = lm_head(hidden)
+        base1 += float((full[:, :-1].argmax(-1) == windows[:, 1:]).float().mean())
+        greedy = torch.stack([greedy_tokens(w, row, config.penalty) for w, row in zip(windows, full)])  # [B, T]
+        del full
         for i in range(heads.num_heads):
             shift = i + 2
-            logits = model.get_output_embeddings()(outputs[:, :-shift, i])
-            target = windows[:, shift:, None]
-            best = logits.topk(3, dim=-1).indices
-            top1[i] += float((best[..., :1] == target).any(-1).float().mean())
-            top3[i] += float((best == target).any(-1).float().mean())
+            best = lm_head(outputs[:, :-shift, i]).topk(3, dim=-1).indices
+            for target, one, three in ((windows[:, shift:], top1, top3), (greedy[:, shift - 1 : -1], greedy1, greedy3)):
+                one[i] += float((best[..., 0] == target).float().mean())
+                three[i] += float((best == target[..., None]).any(-1).float().mean())
+
+    def per_head(values):
+        return [round(float(v) / batches, 4) for v in values]
+
     return {
         "lm_head_top1": round(base1 / batches, 4),
-        "top1": [round(float(v) / batches, 4) for v in top1],
-        "top3": [round(float(v) / batches, 4) for v in top3],
+        "top1": per_head(top1),
+        "top3": per_head(top3),
+        "greedy_top1": per_head(greedy1),
+        "greedy_top3": per_head(greedy3),
     }
 
 
@@ -174,8 +280,12 @@ def train_heads(
     *,
     resume: bool = False,
     progress: Callable[[int, dict], None] | None = None,
+    cache: FeatureCache | None = None,
 ) -> dict:
-    """Train heads for ``model`` and save them (with ``training.json``) in ``out_dir``."""
+    """Train heads for ``model`` and save them (with ``training.json``) in ``out_dir``:
+    on ``corpus.train``'s text, or, given a ``cache`` of the target's own generations,
+    against the target itself (:func:`distilled_head_losses`). Evaluated on
+    ``corpus.held_out``."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     for param in model.parameters():
@@ -205,15 +315,28 @@ def train_heads(
     lm_head = model.get_output_embeddings()
     started = time.perf_counter() - elapsed
     device = next(model.parameters()).device
+    seq_len = config.seq_len if cache is None else cache.windows.shape[1]
+    usable = seq_len - config.num_heads - 1
+    if usable < 1:
+        raise TokenswiftError(f"windows of {seq_len} tokens are too short for {config.num_heads} heads")
     for step in range(start_step, config.steps):
-        windows = sample_windows(corpus.train, config.batch, config.seq_len, generator).to(device)
-        hidden = base_hidden(model, windows)
-        usable = config.seq_len - config.num_heads - 1
-        if config.positions and config.positions < usable:
-            positions = torch.randperm(usable, generator=generator)[: config.positions].sort().values
+        if cache is None:
+            windows = sample_windows(corpus.train, config.batch, config.seq_len, generator).to(device)
+            hidden = base_hidden(model, windows)
         else:
-            positions = torch.arange(usable)
-        losses, accuracies = head_losses(heads, lm_head, hidden, windows, positions.to(device))
+            rows = torch.randint(0, len(cache.windows), (config.batch,), generator=generator)
+            windows = cache.windows[rows].to(device)
+            hidden = cache.features[rows].to(device, lm_head.weight.dtype)
+        if config.positions and config.positions < usable:
+            positions = torch.randperm(usable, generator=generator)[: config.positions].sort().values.to(device)
+        else:
+            positions = torch.arange(usable, device=device)
+        if cache is None:
+            losses, accuracies = head_losses(heads, lm_head, hidden, windows, positions)
+        else:
+            losses, accuracies = distilled_head_losses(
+                heads, lm_head, hidden, windows, cache.greedy[rows].to(device), positions, config
+            )
         optimizer.zero_grad(set_to_none=True)
         losses.mean().backward()
         optimizer.step()
@@ -231,7 +354,8 @@ def train_heads(
         "train_books": list(corpus.train_ids),
         "held_out_books": list(corpus.held_out_ids),
         "train_tokens": int(len(corpus.train)),
-        "tokens_seen": config.steps * config.batch * config.seq_len,
+        "tokens_seen": config.steps * config.batch * seq_len,
+        "trained_on": "text" if cache is None else f"the target's own: {cache.windows.numel():,} cached positions",
         "wall_seconds": round(wall, 1),
         "held_out_accuracy": metrics,
     }
