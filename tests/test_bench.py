@@ -2,6 +2,10 @@
 
 import json
 
+import pytest
+import torch
+
+from tokenswift.model.compiled import compiler_problem
 from tokenswift.tools.bench import BenchConfig, PenaltyProcessor, distinct_n, run_bench, write_reports
 from tokenswift.testing import word_tokenizer, looping_model
 
@@ -62,7 +66,7 @@ def test_contexts_sweep_prefills_once_per_context_and_stays_lossless(tmp_path, m
     report = run_contexts(
         model, None, lambda n: text[:n], contexts=[12, 30], new_tokens=10, presets=["tokenswift", "prompt-lookup"],
         decodings=["sampling", "greedy"], seeds=[0, 1], heads="random", overrides=FIXED_TREE, bandwidth=1e10,
-        on_context=lambda r: reports.append(len(r["rows"])),
+        compiled_baseline=False, on_context=lambda r: reports.append(len(r["rows"])),
     )
     assert calls == [12, 30]  # one prefill per context, shared by 2 decodings x 3 presets x 2 seeds
     assert reports == [6, 12]
@@ -106,3 +110,34 @@ def test_auto_rope_covers_the_longest_run():
     assert auto_rope(8192, 8192) is None
     assert auto_rope(8192, 16384) == {"type": "yarn", "factor": 2.0}
     assert auto_rope(8192, 16384 + 256 + 256) == {"type": "yarn", "factor": 2.5}
+
+
+@pytest.mark.skipif(compiler_problem(torch.device("cpu")) is not None, reason="no C++ compiler for inductor")
+def test_presets_are_also_reported_against_compiled_ar():
+    from tokenswift.testing import FIXED_TREE
+    from tokenswift.tools.contexts import markdown as contexts_markdown, run_contexts
+    from tokenswift.tools.interleaved import compare_presets, markdown
+
+    model = looping_model(dtype="float32")
+    prompt = [3, 9, 4, 1, 7, 7, 2, 5, 8]
+    report = compare_presets(model, None, ["tokenswift"], prompt, 12, seeds=[0], greedy=True, heads="random")
+    summary = report["summary"]
+    assert list(summary) == ["ar", "ar+compiled", "tokenswift"]  # the fastest plain decoding joins the turns
+    speed = {name: row["tokens_per_second"] for name, row in summary.items()}
+    assert summary["tokenswift"]["ratio_to_ar"] == pytest.approx(speed["tokenswift"] / speed["ar"], rel=2e-3)
+    assert summary["tokenswift"]["ratio_to_ar_compiled"] == pytest.approx(
+        speed["tokenswift"] / speed["ar+compiled"], rel=2e-3)
+    assert summary["ar+compiled"]["ratio_to_ar"] == 1.0  # against ar with its own compile setting
+    assert report["compile_seconds"] > 0 and "| vs ar compiled |" in markdown(report)
+    both = compare_presets(model, None, ["tokenswift"], prompt, 8, seeds=[0], greedy=True, heads="random", compile="both")
+    assert list(both["summary"]) == ["ar", "ar+compiled", "tokenswift", "tokenswift+compiled"]
+    row = both["summary"]["tokenswift+compiled"]
+    assert row["ratio_to_ar"] == row["ratio_to_ar_compiled"]  # same compile setting: ar+compiled
+
+    sweep = run_contexts(model, None, lambda n: (prompt * 4)[:n], contexts=[16], new_tokens=8, presets=["tokenswift"],
+                         decodings=["greedy"], seeds=[0], heads="random", overrides=FIXED_TREE, bandwidth=1e10)
+    rows = {r["method"]: r for r in sweep["rows"]}
+    assert list(rows) == ["ar", "ar+compiled", "tokenswift"] and rows["ar+compiled"]["same_tokens_as_ar"]
+    assert rows["tokenswift"]["ratio_to_ar_compiled"] == pytest.approx(
+        rows["tokenswift"]["tokens_per_second"] / rows["ar+compiled"]["tokens_per_second"], rel=2e-3)
+    assert "| 16 | greedy | ar+compiled |" in contexts_markdown(sweep)

@@ -53,6 +53,11 @@ def add_arguments(parser) -> None:
         "three with compile = auto (PRESET+auto); the compile time is reported",
     )
     parser.add_argument(
+        "--no-compiled-baseline", dest="compiled_baseline", action="store_false",
+        help="with --interleaved or --contexts: leave out ar+compiled, the fastest plain decoding, which every "
+        "preset is otherwise also reported against (its one compile is then not paid)",
+    )
+    parser.add_argument(
         "--contexts", type=int, nargs="+", metavar="TOKENS",
         help="long-context sweep: for each prompt length, one prefill shared by the presets (default ar,tokenswift), "
         "which decode in turns; ratios to ar, tokens/step and a memory roofline per context; RoPE scaled "
@@ -139,9 +144,11 @@ def run_interleaved(args) -> int:
     model, tokenizer = load_model(ModelSpec(path=args.model, dtype=args.dtype, device=args.device))
     prompt = prompt_ids(tokenizer, args.prompt_tokens)
     names = ["ar", *[p for p in presets if p != "ar"]]
-    bar = tqdm(total=new_tokens * len(variant_names(names, args.compile)) * len(seeds), unit="tok", file=sys.stderr, dynamic_ncols=True)
+    variants = variant_names(names, args.compile, args.compiled_baseline)
+    bar = tqdm(total=new_tokens * len(variants) * len(seeds), unit="tok", file=sys.stderr, dynamic_ncols=True)
     report = compare_presets(model, tokenizer, names, prompt, new_tokens, seeds=seeds, greedy=args.greedy, heads=args.heads,
-                             compile=args.compile, progress=lambda name, count: bar.update(count))
+                             compile=args.compile, compiled_baseline=args.compiled_baseline,
+                             progress=lambda name, count: bar.update(count))
     bar.close()
     report["roofline"] = ar_roofline(model, report, args.prompt_tokens, new_tokens)
     from tokenswift.machine import machine_name
@@ -150,6 +157,7 @@ def run_interleaved(args) -> int:
         "model": args.model, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "device": args.device,
         "machine": machine_name(next(model.parameters()).device), "prompt_tokens": args.prompt_tokens,
         "new_tokens": new_tokens, "seeds": seeds, "greedy": args.greedy, "compile": args.compile,
+        "compiled_baseline": args.compiled_baseline,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -234,9 +242,10 @@ def run_contexts(args) -> int:
     info = {
         "model": args.model, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "device": args.device,
         "machine": machine_name(device), "threads": torch_threads(), "rope": rope, "new_tokens": new_tokens,
-        "seeds": seeds, "presets": presets, "decodings": args.decodings,
+        "seeds": seeds, "presets": presets, "decodings": args.decodings, "compiled_baseline": args.compiled_baseline,
     }
-    runs = len(presets if "ar" in presets else ["ar", *presets]) * len(args.decodings) * len(seeds)
+    methods = len(presets if "ar" in presets else ["ar", *presets]) + int(args.compiled_baseline)
+    runs = methods * len(args.decodings) * len(seeds)
     bar = tqdm(total=new_tokens * runs * len(contexts), unit="tok", file=sys.stderr, dynamic_ncols=True)
 
     def write(report: dict) -> None:
@@ -249,7 +258,7 @@ def run_contexts(args) -> int:
     report = sweep(
         model, tokenizer, lambda n: prompt_ids(tokenizer, n), contexts=contexts, new_tokens=new_tokens,
         presets=presets, decodings=args.decodings, seeds=seeds, heads=args.heads,
-        progress=lambda name, count: bar.update(count), on_context=write,
+        compiled_baseline=args.compiled_baseline, progress=lambda name, count: bar.update(count), on_context=write,
     )
     bar.close()
     write(report)

@@ -9,7 +9,9 @@ context costs one long prefill, not one per method. The presets then decode in t
 paper's sampling, greedy) and seed, and each gets its decode tokens/s, its ratio to
 ``ar`` in the same turns, its tokens per step, and a roofline beside it: the tokens/s
 its memory traffic allows (weights + the KV read by each forward, per step, over the
-machine's measured bandwidth, divided among the tokens a step earns).
+machine's measured bandwidth, divided among the tokens a step earns). ``ar+compiled``
+(compiled one-token forwards: the fastest plain decoding) decodes in the same turns
+unless the sweep's own ``ar`` is compiled, and every row also has its ratio to it.
 
 A context past the model's trained length needs RoPE scaling; :func:`auto_rope`
 chooses YaRN with the smallest factor (in steps of 0.5) that covers the longest run, once
@@ -28,7 +30,7 @@ import torch
 
 from tokenswift.memory import parameter_bytes
 from tokenswift.tools.bench import preset_pipeline
-from tokenswift.tools.interleaved import prefill_once, run_interleaved
+from tokenswift.tools.interleaved import COMPILED_AR, compile_model_once, prefill_once, run_interleaved
 
 logger = logging.getLogger(__name__)
 
@@ -92,23 +94,35 @@ def run_contexts(
     heads: str = "auto",
     overrides: dict | None = None,
     bandwidth: float | None = None,
+    compiled_baseline: bool = True,
     progress: Callable[[str, int], None] | None = None,
     on_context: Callable[[dict], None] | None = None,
 ) -> dict:
     """Every context: one prefill, then each decoding's presets in turns (``ar`` first,
     the reference), once per seed; ``overrides`` (spec sections) go to every preset.
-    Returns a JSON-ready report; ``on_context`` gets it after each context (a long
-    sweep interrupted keeps what it measured)."""
+    With ``compiled_baseline``, ``ar+compiled`` joins the turns (compiled once, before
+    any), unless the sweep's ``ar`` is compiled already. Returns a JSON-ready report;
+    ``on_context`` gets it after each context (a long sweep interrupted keeps what it
+    measured)."""
     names = ["ar", *[p for p in presets if p != "ar"]]
+    ar_compiled = (overrides or {}).get("model", {}).get("compile") is True
+    if compiled_baseline and not ar_compiled:
+        names.insert(1, COMPILED_AR)
+    baseline = "ar" if ar_compiled else COMPILED_AR if compiled_baseline else None
     bandwidth = bandwidth or measure_bandwidth(next(model.parameters()).device)
     report = {"bandwidth_gb_s": round(bandwidth / 1e9, 2), "rows": [], "prefill_seconds": {}}
+    if COMPILED_AR in names:
+        report["compile_seconds"] = round(compile_model_once(model, tokenizer), 1)
     for context in contexts:
         prompt = prompt_for(context)
         pipelines = {decoding: {} for decoding in decodings}
         for decoding in decodings:
             for name in names:
                 spec = {**(overrides or {}), **DECODINGS[decoding]}
-                pipelines[decoding][name] = preset_pipeline(name, model, tokenizer, heads=heads, overrides=spec)
+                if name == COMPILED_AR:
+                    spec["model"] = {**spec.get("model", {}), "compile": True}
+                preset = "ar" if name == COMPILED_AR else name
+                pipelines[decoding][name] = preset_pipeline(preset, model, tokenizer, heads=heads, overrides=spec)
         every = [pipe for by_name in pipelines.values() for pipe in by_name.values()]
         capacity = max(pipe.kv_capacity(context, new_tokens) for pipe in every)
         prefilled = prefill_once({i: p for i, p in enumerate(every)}, prompt, capacity)
@@ -131,6 +145,7 @@ def run_contexts(
                     total["passes"] += result.decisions.get("drafting_passes", 0)
                     total["same"] &= result.tokens == results["ar"].tokens
             ar_speed = totals["ar"]["tokens"] / totals["ar"]["seconds"]
+            baseline_speed = totals[baseline]["tokens"] / totals[baseline]["seconds"] if baseline else None
             for name in names:
                 total = totals[name]
                 speed = total["tokens"] / total["seconds"]
@@ -140,6 +155,7 @@ def run_contexts(
                 report["rows"].append({
                     "context": context, "decoding": decoding, "method": name,
                     "tokens_per_second": round(speed, 3), "ratio_to_ar": round(speed / ar_speed, 3),
+                    "ratio_to_ar_compiled": round(speed / baseline_speed, 3) if baseline_speed else None,
                     "tokens_per_step": round(per_step, 3), "drafting_passes_per_step": round(passes, 3),
                     "roofline_tokens_per_second": round(
                         roofline.tokens_per_second(context, new_tokens, per_step, passes, view), 2),
@@ -159,13 +175,16 @@ def _view_positions(pipeline, positions: int) -> int:
 
 def markdown(report: dict) -> str:
     lines = [
-        "| context | decoding | method | decode tok/s | vs ar | tok/step | drafting passes/step | roofline tok/s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| context | decoding | method | decode tok/s | vs ar | vs ar compiled | tok/step | drafting passes/step "
+        "| roofline tok/s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in report["rows"]:
+        versus_compiled = row.get("ratio_to_ar_compiled")
         lines.append(
             f"| {row['context']} | {row['decoding']} | {row['method']} | {row['tokens_per_second']} | "
-            f"{row['ratio_to_ar']} | {row['tokens_per_step']} | {row['drafting_passes_per_step']} | "
+            f"{row['ratio_to_ar']} | {'–' if versus_compiled is None else versus_compiled} | "
+            f"{row['tokens_per_step']} | {row['drafting_passes_per_step']} | "
             f"{row['roofline_tokens_per_second']} |"
         )
     return "\n".join(lines) + "\n"

@@ -99,14 +99,27 @@ def run_interleaved(
 # bench --compile: which [model] compile choices each preset runs with, and their labels.
 COMPILE_MODES = {"off": (False,), "on": (True,), "both": (False, True), "all": (False, True, "auto")}
 SUFFIXES = {False: "", True: "+compiled", "auto": "+auto"}
+# The fastest plain decoding, which every preset is also reported against.
+COMPILED_AR = "ar+compiled"
 
 
-def variant_names(presets: list[str], compile: str) -> dict[str, tuple[str, bool | str]]:
+def variant_names(presets: list[str], compile: str, compiled_baseline: bool = True) -> dict[str, tuple[str, bool | str]]:
     """The pipelines a comparison runs, by label: each preset eager (``PRESET``),
     compiled (``PRESET+compiled``) and/or as ``compile = "auto"`` decides
-    (``PRESET+auto``), ``ar`` first (the reference)."""
+    (``PRESET+auto``), ``ar`` first (the reference); with ``compiled_baseline``,
+    ``ar+compiled`` too, whatever ``compile`` says."""
     names = ["ar", *[p for p in presets if p != "ar"]]
-    return {f"{name}{SUFFIXES[choice]}": (name, choice) for name in names for choice in COMPILE_MODES[compile]}
+    choices = COMPILE_MODES[compile]
+    ar_choices = (*choices, True) if compiled_baseline and True not in choices else choices
+    return {
+        f"{name}{SUFFIXES[choice]}": (name, choice)
+        for name in names for choice in (ar_choices if name == "ar" else choices)
+    }
+
+
+def same_compile_ar(label: str, variants: dict[str, tuple[str, bool | str]]) -> str:
+    """The ``ar`` variant with the compile choice of ``label``'s."""
+    return f"ar{SUFFIXES[variants[label][1]]}"
 
 
 def compile_model_once(model, tokenizer) -> float:
@@ -126,14 +139,18 @@ def compare_presets(
     greedy: bool = False,
     heads: str = "auto",
     compile: str = "off",
+    compiled_baseline: bool = True,
     progress: Callable[[str, int], None] | None = None,
 ) -> dict:
     """Every preset (``ar`` first, the reference) in turns with the others, once per
     seed, eager and/or compiled (``compile``: a key of :data:`COMPILE_MODES`); returns a JSON-ready
-    report with each one's decode tokens/s summed over the seeds and its ratio to the
-    first (``ar``, eager unless ``compile`` is on), and what compiling took."""
-    variants = variant_names(presets, compile)
-    compile_seconds = compile_model_once(model, tokenizer) if compile != "off" else None
+    report with each one's decode tokens/s summed over the seeds, its ratio to ``ar``
+    with the same compile choice (``ratio_to_ar``) and, with ``compiled_baseline`` (the
+    fastest plain decoding in the turns whatever ``compile`` says), to ``ar+compiled``
+    (``ratio_to_ar_compiled``), and what compiling took."""
+    variants = variant_names(presets, compile, compiled_baseline)
+    compiles = any(choice is not False for _, choice in variants.values())
+    compile_seconds = compile_model_once(model, tokenizer) if compiles else None
     overrides = {"sampling": {"greedy": True}} if greedy else {}
     totals = {name: {"tokens": 0, "seconds": 0.0, "steps_tokens": []} for name in variants}
     per_seed = []
@@ -149,7 +166,8 @@ def compare_presets(
         results = run_interleaved(pipes, prompt, new_tokens, seed=seed, progress=progress, prefilled=prefilled)
         per_seed.append({
             "seed": seed,
-            **{name: {**attrs.asdict(r, filter=lambda a, _: a.name != "tokens"), "ratio_to_ar": round(r.ratio_to(results[reference]), 3),
+            **{name: {**attrs.asdict(r, filter=lambda a, _: a.name != "tokens"),
+                      "ratio_to_ar": round(r.ratio_to(results[same_compile_ar(name, variants)]), 3),
                       "same_tokens_as_ar": r.tokens == results[reference].tokens} for name, r in results.items()},
         })
         for name, r in results.items():
@@ -157,10 +175,15 @@ def compare_presets(
             totals[name]["seconds"] += r.decode_seconds
             totals[name]["steps_tokens"].append(r.tokens_per_step)
     speed = {name: t["tokens"] / t["seconds"] if t["seconds"] else 0.0 for name, t in totals.items()}
+
+    def ratio(name, to):
+        return round(speed[name] / speed[to], 3) if to in speed and speed[to] else None
+
     summary = {
         name: {
             "tokens_per_second": round(speed[name], 3),
-            "ratio_to_ar": round(speed[name] / speed[reference], 3) if speed[reference] else None,
+            "ratio_to_ar": ratio(name, same_compile_ar(name, variants)),
+            "ratio_to_ar_compiled": ratio(name, COMPILED_AR),
             "tokens_per_step": round(sum(t["steps_tokens"]) / len(t["steps_tokens"]), 3),
         }
         for name, t in totals.items()
@@ -169,9 +192,9 @@ def compare_presets(
 
 
 def markdown(report: dict) -> str:
-    reference = report.get("reference", "ar")
-    lines = [f"| preset | decode tok/s | vs {reference} | tok/step | verified / proposed nodes per step | predicted / realised tok/step |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| preset | decode tok/s | vs ar (same compile) | vs ar compiled | tok/step | "
+             "verified / proposed nodes per step | predicted / realised tok/step |",
+             "|---|---|---|---|---|---|---|"]
     for name, row in report["summary"].items():
         decisions = [seed[name]["decisions"] for seed in report["per_seed"]]
         verified = sum(d["verified_per_step"] for d in decisions) / len(decisions)
@@ -179,7 +202,9 @@ def markdown(report: dict) -> str:
         predicted = [d["predicted_tokens_per_step"] for d in decisions if d["predicted_tokens_per_step"] is not None]
         realised = [d["realised_tokens_per_step"] for d in decisions if d["realised_tokens_per_step"] is not None]
         guess = f"{sum(predicted) / len(predicted):.3f} / {sum(realised) / len(realised):.3f}" if predicted else "– (fixed trees)"
-        lines.append(f"| {name} | {row['tokens_per_second']} | {row['ratio_to_ar']} | {row['tokens_per_step']} | "
+        versus_compiled = row.get("ratio_to_ar_compiled")
+        lines.append(f"| {name} | {row['tokens_per_second']} | {row['ratio_to_ar']} | "
+                     f"{'–' if versus_compiled is None else versus_compiled} | {row['tokens_per_step']} | "
                      f"{verified:.2f} / {proposed:.2f} | {guess} |")
     notes = []
     if report.get("compile_seconds") is not None:
