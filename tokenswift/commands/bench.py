@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 
 from tokenswift.commands import DEFAULT_MODEL, DTYPE_CHOICES, CliError
+from tokenswift.errors import TokenswiftError
 
 NAME = "bench"
 HELP = "benchmark transformers generate against the presets, side by side"
@@ -206,12 +207,26 @@ def run_contexts(args) -> int:
 
     if args.interleaved or args.quick or args.long:
         raise CliError("--contexts is its own comparison; it takes no --interleaved, --quick or --long")
+    from tokenswift.presets import PAPER_PENALTY
+    from tokenswift.tools import llamacpp
+
     presets = ["ar", "tokenswift"]
+    references: list[str] = []
     if args.methods:
         presets = [m.strip() for m in args.methods.split(",") if m.strip()]
-        unknown = [m for m in presets if m not in PRESET_METHODS]
+        unknown = [m for m in presets if m not in PRESET_METHODS and m not in llamacpp.METHODS]
         if unknown:
-            raise CliError(f"--contexts compares presets; unknown {unknown}; valid: {list(PRESET_METHODS)}")
+            raise CliError(f"--contexts compares presets and references; unknown {unknown}; "
+                           f"valid: {list(PRESET_METHODS) + list(llamacpp.METHODS)}")
+        references = [m for m in presets if m in llamacpp.METHODS]
+        presets = [m for m in presets if m not in llamacpp.METHODS]
+    if references and not llamacpp.available():
+        raise CliError(f"--methods {','.join(references)} needs llama-cpp-python; install it with: {llamacpp.INSTALL}")
+    if references:
+        try:
+            gguf = llamacpp.gguf_file(args.model)
+        except TokenswiftError as exc:
+            raise CliError(str(exc)) from None
     bad = [c for c in args.contexts if c < 2]
     if bad:
         raise CliError(f"--contexts must be prompt lengths of at least 2 tokens, got {bad}")
@@ -245,6 +260,7 @@ def run_contexts(args) -> int:
         "seeds": seeds, "presets": presets, "decodings": args.decodings, "compiled_baseline": args.compiled_baseline,
     }
     methods = len(presets if "ar" in presets else ["ar", *presets]) + int(args.compiled_baseline)
+    methods += len(references)
     runs = methods * len(args.decodings) * len(seeds)
     bar = tqdm(total=new_tokens * runs * len(contexts), unit="tok", file=sys.stderr, dynamic_ncols=True)
 
@@ -255,8 +271,15 @@ def run_contexts(args) -> int:
         (out / "contexts.md").write_text(markdown(report))
         plot(report, out / "contexts.png")
 
+    loaded = {
+        name: llamacpp.LlamaCpp(gguf, n_ctx=needed, threads=torch_threads(), window=PAPER_PENALTY["window"],
+                                lookup=name.endswith("+lookup"), rope=rope, trained=trained)
+        for name in references
+    }
+    if references:
+        info["references"] = {"gguf": str(gguf), "llama_cpp_python": llamacpp.version()}
     report = sweep(
-        model, tokenizer, lambda n: prompt_ids(tokenizer, n), contexts=contexts, new_tokens=new_tokens,
+        model, tokenizer, lambda n: prompt_ids(tokenizer, n), contexts=contexts, new_tokens=new_tokens, references=loaded,
         presets=presets, decodings=args.decodings, seeds=seeds, heads=args.heads,
         compiled_baseline=args.compiled_baseline, progress=lambda name, count: bar.update(count), on_context=write,
     )

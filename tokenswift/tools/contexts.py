@@ -95,6 +95,7 @@ def run_contexts(
     overrides: dict | None = None,
     bandwidth: float | None = None,
     compiled_baseline: bool = True,
+    references: dict | None = None,
     progress: Callable[[str, int], None] | None = None,
     on_context: Callable[[dict], None] | None = None,
 ) -> dict:
@@ -103,7 +104,8 @@ def run_contexts(
     With ``compiled_baseline``, ``ar+compiled`` joins the turns (compiled once, before
     any), unless the sweep's ``ar`` is compiled already. Returns a JSON-ready report;
     ``on_context`` gets it after each context (a long sweep interrupted keeps what it
-    measured)."""
+    measured). ``references``: name -> a loaded :class:`tokenswift.tools.llamacpp.LlamaCpp`,
+    each decoding every context's prompt on its own after the presets' turns."""
     names = ["ar", *[p for p in presets if p != "ar"]]
     ar_compiled = (overrides or {}).get("model", {}).get("compile") is True
     if compiled_baseline and not ar_compiled:
@@ -161,10 +163,35 @@ def run_contexts(
                         roofline.tokens_per_second(context, new_tokens, per_step, passes, view), 2),
                     "same_tokens_as_ar": total["same"],
                 })
+            for name, reference in (references or {}).items():
+                report["rows"].append(_reference_row(
+                    name, reference, pipelines[decoding]["ar"], prompt, new_tokens, seeds, progress,
+                    context=context, decoding=decoding, ar_speed=ar_speed, baseline_speed=baseline_speed,
+                ))
         del pipelines, every, prefilled
         if on_context is not None:
             on_context(report)
     return report
+
+
+def _reference_row(name, reference, ar_pipeline, prompt, new_tokens, seeds, progress, *, context, decoding,
+                   ar_speed, baseline_speed) -> dict:
+    """A reference method's row: the same prompt and settings as ``ar``'s, once per seed,
+    decoded on its own (not in the turns; its ratios are to the turns' speeds)."""
+    from tokenswift.tools.llamacpp import Sampling
+
+    sampling = Sampling.of(ar_pipeline)
+    results = [reference.decode(name, prompt, new_tokens, sampling, seed=seed, progress=progress) for seed in seeds]
+    seconds = sum(r.decode_seconds for r in results)
+    speed = sum(r.new_tokens - 1 for r in results) / seconds if seconds else 0.0
+    return {
+        "context": context, "decoding": decoding, "method": name, "tokens_per_second": round(speed, 3),
+        "ratio_to_ar": round(speed / ar_speed, 3),
+        "ratio_to_ar_compiled": round(speed / baseline_speed, 3) if baseline_speed else None,
+        "tokens_per_step": None, "drafting_passes_per_step": None, "roofline_tokens_per_second": None,
+        "same_tokens_as_ar": None, "in_turns": False, "prefill_seconds": results[0].prefill_seconds,
+        "threads": results[0].threads,
+    }
 
 
 def _view_positions(pipeline, positions: int) -> int:
@@ -179,14 +206,25 @@ def markdown(report: dict) -> str:
         "| roofline tok/s |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
+    def cell(value):
+        return "–" if value is None else value
+
     for row in report["rows"]:
-        versus_compiled = row.get("ratio_to_ar_compiled")
         lines.append(
             f"| {row['context']} | {row['decoding']} | {row['method']} | {row['tokens_per_second']} | "
-            f"{row['ratio_to_ar']} | {'–' if versus_compiled is None else versus_compiled} | "
-            f"{row['tokens_per_step']} | {row['drafting_passes_per_step']} | "
-            f"{row['roofline_tokens_per_second']} |"
+            f"{row['ratio_to_ar']} | {cell(row.get('ratio_to_ar_compiled'))} | "
+            f"{cell(row['tokens_per_step'])} | {cell(row['drafting_passes_per_step'])} | "
+            f"{cell(row['roofline_tokens_per_second'])} |"
         )
+    notes, noted = [], set()
+    for row in report["rows"]:  # the first run per prompt prefills it; later ones reuse llama.cpp's cache
+        if row.get("in_turns") is False and (row["method"], row["context"]) not in noted:
+            noted.add((row["method"], row["context"]))
+            notes.append(f"{row['method']} at {row['context']:,}: prefill {row['prefill_seconds']} s")
+    if notes:
+        lines.append("")
+        lines.append("Reference methods decode on their own after the turns (their ratios are to the turns' speeds); "
+                     + "; ".join(notes) + ".")
     return "\n".join(lines) + "\n"
 
 
