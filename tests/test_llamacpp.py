@@ -54,6 +54,8 @@ def test_llama_cpp_decodes_the_packaged_gguf_beside_the_presets():
     sampled = [reference.decode("llama.cpp", prompt, 12, llamacpp.Sampling(temperature=1.0, min_p=0.1), seed=s).tokens
                for s in (1, 1, 2)]
     assert sampled[0] == sampled[1]  # its own seed decides its draws
+    lookup = llamacpp.LlamaCpp(gguf, n_ctx=512, threads=2, window=1024, lookup=True)
+    assert lookup.decode("llama.cpp+lookup", prompt * 2, 12, greedy).new_tokens == 12  # its drafts checked in batches
     with pytest.raises(Exception, match="penalises over 1024 tokens"):
         reference.decode("llama.cpp", prompt, 4, llamacpp.Sampling(temperature=0.0, penalty=1.2, window=64))
 

@@ -132,7 +132,10 @@ class LlamaCpp:
         self.threads, self.window = threads, window
         self.llm = llama_cpp.Llama(
             model_path=str(path), n_ctx=n_ctx, n_batch=512, n_threads=threads, n_threads_batch=threads,
-            last_n_tokens_size=window, draft_model=draft, verbose=False, **kwargs,
+            last_n_tokens_size=window, draft_model=draft, verbose=False,
+            # drafted tokens are checked against every position's logits, which
+            # llama-cpp-python keeps only with logits_all (n_ctx x vocab floats)
+            logits_all=lookup, **kwargs,
         )
 
     def decode(self, method: str, prompt: list[int], new_tokens: int, sampling: Sampling, *, seed: int = 0,
