@@ -124,9 +124,9 @@ def test_presets_are_also_reported_against_compiled_ar():
     summary = report["summary"]
     assert list(summary) == ["ar", "ar+compiled", "tokenswift"]  # the fastest plain decoding joins the turns
     speed = {name: row["tokens_per_second"] for name, row in summary.items()}
-    assert summary["tokenswift"]["ratio_to_ar"] == pytest.approx(speed["tokenswift"] / speed["ar"], rel=2e-3)
+    assert summary["tokenswift"]["ratio_to_ar"] == pytest.approx(speed["tokenswift"] / speed["ar"], rel=2e-3, abs=1e-3)
     assert summary["tokenswift"]["ratio_to_ar_compiled"] == pytest.approx(
-        speed["tokenswift"] / speed["ar+compiled"], rel=2e-3)
+        speed["tokenswift"] / speed["ar+compiled"], rel=2e-3, abs=1e-3)
     assert summary["ar+compiled"]["ratio_to_ar"] == 1.0  # against ar with its own compile setting
     assert report["compile_seconds"] > 0 and "| vs ar compiled |" in markdown(report)
     both = compare_presets(model, None, ["tokenswift"], prompt, 8, seeds=[0], greedy=True, heads="random", compile="both")
@@ -139,5 +139,5 @@ def test_presets_are_also_reported_against_compiled_ar():
     rows = {r["method"]: r for r in sweep["rows"]}
     assert list(rows) == ["ar", "ar+compiled", "tokenswift"] and rows["ar+compiled"]["same_tokens_as_ar"]
     assert rows["tokenswift"]["ratio_to_ar_compiled"] == pytest.approx(
-        rows["tokenswift"]["tokens_per_second"] / rows["ar+compiled"]["tokens_per_second"], rel=2e-3)
+        rows["tokenswift"]["tokens_per_second"] / rows["ar+compiled"]["tokens_per_second"], rel=2e-3, abs=1e-3)
     assert "| 16 | greedy | ar+compiled |" in contexts_markdown(sweep)
