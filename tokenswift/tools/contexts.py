@@ -106,10 +106,12 @@ def run_contexts(
     ``on_context`` gets it after each context (a long sweep interrupted keeps what it
     measured). ``references``: name -> a loaded :class:`tokenswift.tools.llamacpp.LlamaCpp`,
     each decoding every context's prompt on its own after the presets' turns."""
-    names = ["ar", *[p for p in presets if p != "ar"]]
+    # label -> (preset, its compile choice; None: as ``overrides`` say)
+    variants = {name: (name, None) for name in ["ar", *[p for p in presets if p != "ar"]]}
     ar_compiled = (overrides or {}).get("model", {}).get("compile") is True
     if compiled_baseline and not ar_compiled:
-        names.insert(1, COMPILED_AR)
+        variants = {"ar": ("ar", None), COMPILED_AR: ("ar", True), **variants}
+    names = list(variants)
     baseline = "ar" if ar_compiled else COMPILED_AR if compiled_baseline else None
     bandwidth = bandwidth or measure_bandwidth(next(model.parameters()).device)
     report = {"bandwidth_gb_s": round(bandwidth / 1e9, 2), "rows": [], "prefill_seconds": {}}
@@ -119,11 +121,10 @@ def run_contexts(
         prompt = prompt_for(context)
         pipelines = {decoding: {} for decoding in decodings}
         for decoding in decodings:
-            for name in names:
+            for name, (preset, compile) in variants.items():
                 spec = {**(overrides or {}), **DECODINGS[decoding]}
-                if name == COMPILED_AR:
-                    spec["model"] = {**spec.get("model", {}), "compile": True}
-                preset = "ar" if name == COMPILED_AR else name
+                if compile is not None:
+                    spec["model"] = {**spec.get("model", {}), "compile": compile}
                 pipelines[decoding][name] = preset_pipeline(preset, model, tokenizer, heads=heads, overrides=spec)
         every = [pipe for by_name in pipelines.values() for pipe in by_name.values()]
         capacity = max(pipe.kv_capacity(context, new_tokens) for pipe in every)

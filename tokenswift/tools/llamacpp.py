@@ -144,9 +144,8 @@ class LlamaCpp:
         if sampling.penalty != 1.0 and sampling.window != self.window:
             raise TokenswiftError(f"this llama.cpp model penalises over {self.window} tokens, the run asks for {sampling.window}")
         self.llm.set_seed(seed)
-        greedy = sampling.temperature == 0.0
         stream = self.llm.generate(
-            prompt, top_k=0 if not greedy else 1, top_p=1.0, min_p=sampling.min_p, typical_p=1.0,
+            prompt, top_k=1 if sampling.temperature == 0.0 else 0, top_p=1.0, min_p=sampling.min_p, typical_p=1.0,
             temp=sampling.temperature, repeat_penalty=sampling.penalty, penalize_nl=True, reset=True,
         )
         started = time.perf_counter()
@@ -154,13 +153,12 @@ class LlamaCpp:
         tokens: list[int] = []
         for token in stream:
             tokens.append(int(token))
-            count = len(tokens)
             last = time.perf_counter()
-            if count == 1:
+            if len(tokens) == 1:
                 first = last
             if progress is not None:
                 progress(method, 1)
-            if count >= new_tokens:
+            if len(tokens) >= new_tokens:
                 break
         stream.close()
         decode, count = last - first, len(tokens)
