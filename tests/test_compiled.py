@@ -8,6 +8,8 @@ inductor cache), so these tests share the cached tiny models of ``tiny_model_for
 import json
 import logging
 
+import attrs
+
 import pytest
 import torch
 
@@ -216,7 +218,121 @@ def test_calibrate_compares_compiled_and_eager_steps(model_dir, tmp_path, monkey
     out, err = capsys.readouterr()
     assert code == 0, err
     assert "one-token step (forward + LM-head row), ms, eager vs compiled:" in out and "context 256: eager" in out
+    assert "tree verify forward at context" in out and all(f"  {size} tokens: eager" in out for size in (4, 8, 16, 32))
     assert len(list((tmp_path / "calibration").glob("*-compile.json"))) == 1
     code = main(["calibrate", "--model", str(model_dir), "--dtype", "float32", "--compile", "--show"])
     shown, _ = capsys.readouterr()
     assert code == 0 and shown == out
+
+
+# -- compiled tree verify forwards ----------------------------------------------------
+
+TREES = [  # (tokens, depths, parent of each node: -1 for the root)
+    ([3, 1], [0, 1], [-1, 0]),
+    ([3, 1, 4], [0, 1, 1], [-1, 0, 0]),
+    ([3, 1, 4, 1], [0, 1, 2, 1], [-1, 0, 1, 0]),  # exactly a compiled size: no padding
+    ([3, 1, 4, 1, 5, 9], [0, 1, 2, 1, 2, 3], [-1, 0, 1, 0, 3, 4]),
+]
+
+
+def tree_mask(parents):
+    n = len(parents)
+    mask = torch.eye(n, dtype=torch.bool)
+    for i, parent in enumerate(parents):
+        while parent >= 0:
+            mask[i, parent] = True
+            parent = parents[parent]
+    return mask
+
+
+def tree_forwards(runner: Runner):
+    """Each tree of TREES verified after a prefill, its deepest path committed, then one
+    token more: (every tree's logits, the last token's logits, the committed KV)."""
+    runner.allocate(64)
+    runner.prefill(torch.tensor(PROMPT))
+    logits = []
+    for tokens, depths, parents in TREES:
+        out = runner.forward(torch.tensor(tokens), tree_mask=tree_mask(parents), depths=torch.tensor(depths))
+        logits.append(out.logits)
+        path, node = [], len(tokens) - 1
+        while node >= 0:
+            path.append(node)
+            node = parents[node]
+        runner.commit(sorted(path))
+    last = runner.forward(torch.tensor([2])).logits
+    length = runner.committed_length
+    return logits, last, [k[:, :, :length].clone() for k in runner.store.keys]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_compiled_tree_forwards_equal_eager_ones(dtype):
+    """Trees padded to a compiled size (2 and 3 tokens -> 4, 6 -> 8; 4 as it is): the
+    same logits for every node, the same committed KV; the padding is never seen nor kept."""
+    model = tiny_model_for("llama-gqa", dtype)
+    eager = Runner(model)
+    compiled = Runner(model)
+    compiled.use_compiled(True)
+    compiled.use_compiled_trees((4, 8))
+    assert [compiled.compiled_size(n) for n in (1, 2, 4, 5, 8, 9)] == [1, 4, 4, 8, 8, None]
+    expected, got = tree_forwards(eager), tree_forwards(compiled)
+    # float64 too: the model's float32 detours (RMSNorm, rotary angles) round
+    # differently in fused multi-row code (measured: 2e-5); a seen padding token is ~1e-1.
+    tolerance = 1e-4
+    for want, have in zip(expected[0], got[0]):
+        torch.testing.assert_close(have, want, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(got[1], expected[1], rtol=tolerance, atol=tolerance)
+    for have, want in zip(got[2], expected[2]):
+        torch.testing.assert_close(have, want, rtol=tolerance, atol=tolerance)
+    assert compiled.compiled.has_tree_graph(4) and compiled.compiled.has_tree_graph(8)
+
+
+def test_compiled_trees_in_whole_runs_are_lossless_and_emit_what_eager_runs_emit():
+    model = tiny_model_for("llama-gqa", "float32")
+    spec = {"preset": "eagle", "drafter": {"weights": "random"}, "speculation": {"tree": "fixed"}}
+    eager = Pipeline.from_spec(spec, model, overrides={"model": {"compile": False}})
+    compiled = Pipeline.from_spec(spec, model, overrides={"model": {"compile": True}})
+    prompt = [5, 6, 7, 8] * 4
+    result = assert_lossless(compiled, prompt, 32, seed=3)
+    assert result.tokens == eager.generate(prompt, 32, seed=3, ignore_eos=True).tokens
+    assert compiled.runner.compiled_tree_sizes and any(
+        compiled.runner.compiled.has_tree_graph(size) for size in compiled.runner.compiled_tree_sizes)
+
+
+def test_the_cost_model_prices_a_compiled_tree_at_its_padded_size():
+    from tokenswift.compiling import CompileCalibration
+    from tokenswift.costs import CostModel
+    from tests.test_speculation import calibration
+
+    measured = CompileCalibration(
+        key="k", machine="m", contexts=(256, 2048), eager_ms=(20.0, 24.0), compiled_ms=(10.0, 12.0), compile_seconds=1.0,
+        tree_sizes=(4, 8), tree_eager_ms=(30.0, 32.0), tree_compiled_ms=(14.0, 40.0),
+    )
+    assert measured.paying_tree_sizes == (4,)
+    sizes = {1: 1, 2: 4, 3: 4, 4: 4}
+    costs = CostModel(calibration(2.0), compiled_size=lambda n: sizes.get(n))
+    eager = CostModel(calibration(2.0))
+    costs.use_compile_calibration(measured)
+    # 2 and 3 nodes cost what 4 do, eager, less the 16 ms compiling 4 saves
+    for nodes in (2, 3, 4):
+        assert costs.forward_seconds(nodes, 1000) == pytest.approx(eager.forward_seconds(4, 1000) - 0.016)
+    assert costs.forward_seconds(5, 1000) == eager.forward_seconds(5, 1000)  # eager beyond the compiled sizes
+    assert costs.forward_seconds(1, 2048) == pytest.approx(eager.forward_seconds(1, 2048) * 0.5)
+
+
+def test_trees_compile_at_the_sizes_that_pay():
+    from tokenswift.compiling import TREE_SIZES, CompileCalibration, tree_sizes
+
+    class Compiled:
+        compiled = object()
+
+    measured = CompileCalibration(
+        key="k", machine="m", contexts=(256,), eager_ms=(20.0,), compiled_ms=(10.0,), compile_seconds=1.0,
+        tree_sizes=(4, 8, 16), tree_eager_ms=(30.0, 32.0, 40.0), tree_compiled_ms=(14.0, 40.0, 30.0),
+    )
+    untested = attrs.evolve(measured, tree_sizes=(), tree_eager_ms=(), tree_compiled_ms=())
+    assert tree_sizes(Compiled, "auto", measured) == tree_sizes(Compiled, True, measured) == (4, 16)
+    assert tree_sizes(Compiled, True, untested) == TREE_SIZES and tree_sizes(Compiled, "auto", untested) == ()
+    Compiled.compiled = None
+    assert tree_sizes(Compiled, True, measured) == ()
+    with pytest.raises(ValueError, match="sizes must be >= 2"):
+        Runner(tiny_model_for("llama-gqa", "float32")).use_compiled_trees((1, 4))

@@ -6,12 +6,13 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from tokenswift import Pipeline
 from tokenswift.cli import main
 from tokenswift.drafters.eagle import EagleDrafter
 from tokenswift.drafters.feature_net import FeatureNet
-from tokenswift.errors import ModelLoadError, SpecError
+from tokenswift.errors import ModelLoadError, SpecError, TokenswiftError
 from tokenswift.interfaces import DraftInputs
 from tokenswift.testing import FIXED_TREE, assert_lossless, looping_model, tiny_model_for
 from tokenswift.tools.drafter_training import (
@@ -22,9 +23,13 @@ from tests.test_training import cyclic_corpus, model_and_books
 SMALL = dict(windows=16, seq_len=32, batch=4, positions=0, draft_vocab=64, eval_windows=8, warmup=5, lr=3e-3)
 
 
-def decisive_net(model, directory, std=0.3):
-    """Random weights large enough that the draft's probabilities are far from ties."""
-    net = FeatureNet.for_model(model).initialise(seed=3, std=std)
+def decisive_net(model, directory, std=0.3, fused=()):
+    """Random weights large enough that the draft's probabilities are far from ties;
+    with ``fused`` layers, a random fuse of them too (not the final-norm block alone)."""
+    net = FeatureNet.for_model(model).initialise(seed=3, std=std).with_fused_layers(fused)
+    if fused:
+        with torch.no_grad():
+            net.reduce.weight.copy_(torch.randn(net.reduce.weight.shape, generator=torch.Generator().manual_seed(4)) * std)
     net.save_pretrained(directory)
     return str(directory)
 
@@ -52,13 +57,14 @@ def test_training_can_start_from_a_trained_network(tmp_path):
     assert torch.equal(FeatureNet.from_pretrained(tmp_path / "again").draft_tokens, FeatureNet.from_pretrained(first).draft_tokens)
 
 
-@pytest.mark.parametrize("arch", ["llama-gqa", "qwen2"])
-def test_the_draft_layer_stays_in_step_with_the_committed_text(arch, tmp_path):
+@pytest.mark.parametrize(("arch", "fused"), [("llama-gqa", ()), ("qwen2", ()), ("llama-gqa", (1,))])
+def test_the_draft_layer_stays_in_step_with_the_committed_text(arch, fused, tmp_path):
     """After steps of generation, the running drafter proposes what a fresh drafter
     primed with the whole context's features proposes: the pairs it keeps are the
-    committed text's, at the right positions."""
+    committed text's, at the right positions; with fused layers, the verify forwards
+    hand it the outputs of the right layer for the right rows."""
     model = tiny_model_for(arch, "float64")
-    weights = decisive_net(model, tmp_path)
+    weights = decisive_net(model, tmp_path, fused=fused)
     spec = {"preset": "eagle", "drafter": {"weights": weights, "threshold": 0.0}, "retriever": {"name": "ngram"},
             "sampling": {"greedy": True}, "penalty": {"name": "none"}, **FIXED_TREE}
     pipe = Pipeline.from_spec(spec, model)
@@ -71,8 +77,8 @@ def test_the_draft_layer_stays_in_step_with_the_committed_text(arch, tmp_path):
     fresh = EagleDrafter(pipe.drafter.options, pipe.drafter.context)
     fresh.start(state)
     with torch.no_grad():
-        hidden = model.get_decoder()(input_ids=torch.tensor([state.tokens[:-1]])).last_hidden_state[0]
-    fresh.prime(state, hidden)
+        out = model.get_decoder()(input_ids=torch.tensor([state.tokens[:-1]]), output_hidden_states=True)
+    fresh.prime(state, torch.cat([out.hidden_states[k][0] for k in fused] + [out.last_hidden_state[0]], -1))
     recomputed = fresh.propose(state, DraftInputs())
     assert [b.tokens for b in running] == [b.tokens for b in recomputed]
     for a, b in zip(running, recomputed):
@@ -195,3 +201,99 @@ def test_a_smaller_draft_vocabulary_drafts_only_its_tokens(tmp_path):
     branches = pipe.drafter.propose(generation.state, DraftInputs())
     assert branches and all(set(b.tokens) <= allowed for b in branches)
     assert_lossless(Pipeline.from_spec(spec, model), [1, 2, 3, 4], 20, seed=5)
+
+
+def test_a_network_given_fused_layers_drafts_as_before_until_trained(tmp_path):
+    """with_fused_layers starts ``reduce`` as the final-norm block: a trained layer
+    carries over to fused features unchanged (then training teaches it the others)."""
+    model = tiny_model_for("llama-gqa", "float64")
+    plain = decisive_net(model, tmp_path / "plain")
+    FeatureNet.from_pretrained(plain).with_fused_layers((1,)).save_pretrained(tmp_path / "fused")
+
+    def proposal(weights):
+        pipe = Pipeline.from_spec({"preset": "eagle", "drafter": {"weights": str(weights), "threshold": 0.0}}, model)
+        generation = pipe.start([5, 9, 17, 3, 8], 2, seed=0, ignore_eos=True)
+        generation.prefill()
+        return pipe.drafter.propose(generation.state, DraftInputs())
+
+    before, after = proposal(plain), proposal(tmp_path / "fused")
+    assert [b.tokens for b in before] == [b.tokens for b in after]
+    assert [c for b in before for c in b.confidence] == pytest.approx([c for b in after for c in b.confidence], rel=1e-9)
+    assert FeatureNet.from_pretrained(tmp_path / "fused").config.fused_layers == (1,)
+    with pytest.raises(ValueError, match="fuses layers \\[1\\] already"):
+        FeatureNet.from_pretrained(tmp_path / "fused").with_fused_layers((2,))
+
+
+def test_training_with_fused_layers_caches_them_teaches_the_layer_and_stays_lossless(tmp_path):
+    model = looping_model()
+    features = tmp_path / "features"
+    train_drafter(model, cyclic_corpus(), tmp_path / "plain", DrafterTrainConfig(steps=1, **SMALL), features_dir=features)
+    record = train_drafter(
+        model, cyclic_corpus(), tmp_path / "fused", DrafterTrainConfig(steps=60, fused_layers=(1,), **SMALL),
+        features_dir=features,  # made without the layer: each chunk computed again, with it
+    )
+    chunk = load_file(features / "chunk-0000.safetensors")
+    assert chunk["layers"].shape == chunk["features"].shape  # one inner layer beside the final-norm state
+    with torch.no_grad():
+        expected = model.get_decoder()(input_ids=chunk["tokens"], output_hidden_states=True).hidden_states[1]
+    torch.testing.assert_close(chunk["layers"].float(), expected.float(), rtol=1e-2, atol=1e-2)  # stored in bfloat16
+    assert min(record["held_out_agreement"]["top1"]) > 0.9 and tuple(record["config"]["fused_layers"]) == (1,)
+    spec = {"preset": "eagle", "drafter": {"weights": str(tmp_path / "fused")}, "sampling": {"greedy": True},
+            "penalty": {"name": "none"}, **FIXED_TREE}
+    result = assert_lossless(Pipeline.from_spec(spec, model), [3, 1, 4], 60)
+    assert result.stats.tokens_per_step > 3
+    again = train_drafter(model, cyclic_corpus(), tmp_path / "again", DrafterTrainConfig(
+        steps=1, init=str(tmp_path / "fused"), **SMALL), features_dir=features)  # the init's layers are kept
+    assert not again["config"]["fused_layers"] and FeatureNet.from_pretrained(tmp_path / "again").config.fused_layers == (1,)
+
+
+def test_a_shared_prefill_hands_each_drafter_the_layers_it_reads(tmp_path):
+    """The benchmark prefills once with every layer any drafter reads; each run's
+    drafter gets its own layers' blocks of those features."""
+    from tokenswift.tools.interleaved import prefill_once
+
+    model = tiny_model_for("llama-gqa", "float64")
+    pipes = {
+        "plain": Pipeline.from_spec({"preset": "eagle", "drafter": {"weights": decisive_net(model, tmp_path / "a")}}, model),
+        "fused": Pipeline.from_spec(
+            {"preset": "eagle", "drafter": {"weights": decisive_net(model, tmp_path / "b", fused=(1,))}}, model),
+    }
+    prompt = [5, 9, 17, 3, 8, 2, 11]
+    prefilled = prefill_once(pipes, prompt, 64)
+    assert prefilled.layers == (1,)
+    for name, pipe in pipes.items():
+        alone = pipe.start(prompt, 2, seed=0, ignore_eos=True)
+        alone.prefill()
+        expected = pipe.drafter.propose(alone.state, DraftInputs())
+        shared = pipe.start(prompt, 2, seed=0, ignore_eos=True)
+        shared.prefill(prefilled)
+        got = pipe.drafter.propose(shared.state, DraftInputs())
+        assert [b.tokens for b in got] == [b.tokens for b in expected], name
+        assert [c for b in got for c in b.confidence] == pytest.approx(
+            [c for b in expected for c in b.confidence], rel=1e-9), name
+
+
+def test_layers_a_model_does_not_have_are_clear_errors(tmp_path):
+    model = tiny_model_for("llama-gqa", "float64")  # two decoder layers: only layer 1's output is inner
+    net = FeatureNet.for_model(model).initialise()
+    net.with_fused_layers((2,)).save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match=r"fuses layers \[2\]; this model's inner layers are 1..1"):
+        Pipeline.from_spec({"preset": "eagle", "drafter": {"weights": str(tmp_path)}}, model)
+    runner = Pipeline.from_spec("ar", model).runner
+    runner.allocate(8)
+    with pytest.raises(ValueError, match=r"layers \[0\]: the outputs of this model's decoder layers 1..1"):
+        runner.forward(torch.tensor([1, 2]), layers=(0,))
+    with pytest.raises(TokenswiftError, match=r"fused layers \[5\]: this model's inner layers are 1..1"):
+        train_drafter(looping_model(), cyclic_corpus(), tmp_path / "x", DrafterTrainConfig(steps=1, fused_layers=(5,), **SMALL))
+
+
+def test_features_of_some_layers_are_picked_out_of_more():
+    from tokenswift.model.runner import select_features
+
+    rows = torch.arange(2 * 4 * 3).view(2, 12)  # 2 rows; blocks of 3: layers 2, 5, 7, then the final-norm state
+    blocks = rows.view(2, 4, 3)
+    assert torch.equal(select_features(rows, (2, 5, 7), (7, 2)), torch.cat([blocks[:, 2], blocks[:, 0], blocks[:, 3]], -1))
+    assert torch.equal(select_features(rows, (2, 5, 7), ()), blocks[:, 3])
+    assert select_features(rows, (2, 5, 7), (2, 5, 7)) is rows
+    with pytest.raises(ValueError, match=r"hold layers \[2, 5, 7\], not \[3\]"):
+        select_features(rows, (2, 5, 7), (3, 5))

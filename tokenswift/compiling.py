@@ -28,7 +28,7 @@ from tokenswift import distributed
 from tokenswift.machine import machine_name
 from tokenswift.model.compiled import CompiledForward, CompileUnavailable, compiler_problem
 from tokenswift.records import CachedRecord, machine_key
-from tokenswift.timing import interleaved_ms, measured_contexts, one_token_step
+from tokenswift.timing import interleaved_ms, measured_contexts, one_token_step, tree_step
 
 logger = logging.getLogger(__name__)
 
@@ -39,15 +39,18 @@ AUTO_MIN_PARAMETERS = 20_000_000
 # 2-core CPU) only for a run this long, which such a measurement can repay.
 AUTO_CALIBRATE_MIN_TOKENS = 8192
 COMPILE_CONTEXTS = (256, 2048)
+# Tree verify forwards compile at these padded sizes (each a graph), where they pay.
+TREE_SIZES = (4, 8, 16, 32)
 
 
 @attrs.frozen(kw_only=True)
 class CompileCalibration(CachedRecord):
-    """One-token forwards eager vs compiled on this machine, and what compiling took."""
+    """One-token forwards eager vs compiled on this machine, and what compiling took;
+    tree verify forwards of :data:`TREE_SIZES` tokens likewise (at the last context)."""
 
-    FORMAT: ClassVar[str] = "tokenswift-compile-calibration/1"
+    FORMAT: ClassVar[str] = "tokenswift-compile-calibration/2"
     SUFFIX: ClassVar[str] = "-compile"
-    TUPLES: ClassVar[tuple[str, ...]] = ("contexts", "eager_ms", "compiled_ms")
+    TUPLES: ClassVar[tuple[str, ...]] = ("contexts", "eager_ms", "compiled_ms", "tree_sizes", "tree_eager_ms", "tree_compiled_ms")
 
     key: str
     machine: str
@@ -55,6 +58,23 @@ class CompileCalibration(CachedRecord):
     eager_ms: tuple[float, ...]  # per context: a one-token forward plus its LM-head row
     compiled_ms: tuple[float, ...]
     compile_seconds: float  # what the measurement's compile took (a first compile: no cached kernels)
+    tree_sizes: tuple[int, ...] = ()
+    tree_eager_ms: tuple[float, ...] = ()  # per tree size, at contexts[-1]
+    tree_compiled_ms: tuple[float, ...] = ()
+    tree_compile_seconds: float = 0.0  # what compiling every tree size took
+
+    def tree_saving_seconds(self, size: int) -> float | None:
+        """Seconds a compiled verify forward of ``size`` tokens saves over an eager one
+        (negative: it loses; None: not measured)."""
+        if size not in self.tree_sizes:
+            return None
+        i = self.tree_sizes.index(size)
+        return (self.tree_eager_ms[i] - self.tree_compiled_ms[i]) / 1000
+
+    @property
+    def paying_tree_sizes(self) -> tuple[int, ...]:
+        """The measured tree sizes whose compiled forwards are faster than eager ones."""
+        return tuple(size for size in self.tree_sizes if (self.tree_saving_seconds(size) or 0.0) > 0)
 
     def milliseconds(self, context: int) -> tuple[float, float]:
         """(eager, compiled) ms of a one-token step at ``context`` positions (linear in
@@ -79,12 +99,13 @@ def _extrapolate(xs, ys, x):
     return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 0.0)
 
 
-def measure_compile(runner, *, repeats: int = 5) -> CompileCalibration:
+def measure_compile(runner, *, repeats: int = 5, tree_sizes: tuple[int, ...] = TREE_SIZES) -> CompileCalibration:
     """Compile ``runner``'s one-token forward and time it against the eager one, in
-    turns, at :data:`COMPILE_CONTEXTS` (leaves the store empty and the runner eager).
+    turns, at :data:`COMPILE_CONTEXTS`; then each of ``tree_sizes`` as a verify
+    forward at the last context (leaves the store empty and the runner eager).
     Raises :class:`~tokenswift.model.compiled.CompileUnavailable` where it cannot compile."""
     contexts = measured_contexts(runner, COMPILE_CONTEXTS)
-    runner.allocate(max(contexts) + 2)
+    runner.allocate(max(contexts) + max((1, *tree_sizes)) + 1)
     compiled = runner.use_compiled(True)
     before = compiled.compile_seconds
     try:
@@ -101,16 +122,37 @@ def measure_compile(runner, *, repeats: int = 5) -> CompileCalibration:
             )
             eager_ms.append(round(ms["eager"], 3))
             compiled_ms.append(round(ms["compiled"], 3))
+        tree_eager_ms, tree_compiled_ms, tree_compile_seconds = [], [], 0.0
+        runner.use_compiled_trees(tree_sizes)
+        for size in tree_sizes:
+            step = tree_step(runner, contexts[-1], size)
+            before = compiled.compile_seconds
+            runner.use_compiled(True)
+            step()  # compiles this size
+            if runner.compiled is None:
+                raise compiled.failure or CompileUnavailable("torch.compile failed")
+            tree_compile_seconds += compiled.compile_seconds - before
+            ms = interleaved_ms(
+                {"eager": (lambda: runner.use_compiled(False), step), "compiled": (lambda: runner.use_compiled(True), step)},
+                repeats,
+            )
+            tree_eager_ms.append(round(ms["eager"], 3))
+            tree_compiled_ms.append(round(ms["compiled"], 3))
     finally:
         runner.use_compiled(False)
+        runner.use_compiled_trees(())
         runner.store.reset()
     result = CompileCalibration(
         key=machine_key(runner), machine=machine_name(runner.device), contexts=contexts,
         eager_ms=tuple(eager_ms), compiled_ms=tuple(compiled_ms), compile_seconds=round(compile_seconds, 2),
+        tree_sizes=tuple(tree_sizes), tree_eager_ms=tuple(tree_eager_ms), tree_compiled_ms=tuple(tree_compiled_ms),
+        tree_compile_seconds=round(tree_compile_seconds, 2),
     )
     logger.info(
-        "compiled one-token steps: %s ms vs eager %s ms at contexts %s (compiling took %.1f s)",
+        "compiled one-token steps: %s ms vs eager %s ms at contexts %s (compiling took %.1f s); "
+        "trees of %s tokens: %s ms vs eager %s ms (compiling took %.1f s)",
         result.compiled_ms, result.eager_ms, contexts, result.compile_seconds,
+        list(result.tree_sizes), result.tree_compiled_ms, result.tree_eager_ms, result.tree_compile_seconds,
     )
     return result
 
@@ -156,7 +198,19 @@ def decide(runner, choice: str | bool, *, prompt_tokens: int, new_tokens: int) -
         runner.use_compiled(False)
     if runner.compiled is not None and calibration is None:  # auto has just measured it
         calibration = load_compile_calibration(runner)
+    runner.use_compiled_trees(tree_sizes(runner, choice, calibration))
     return CompileDecision(compiled=runner.compiled is not None, calibration=calibration)
+
+
+def tree_sizes(runner, choice: str | bool, calibration: CompileCalibration | None) -> tuple[int, ...]:
+    """The padded tree sizes whose verify forwards run compiled while one-token
+    forwards do: those the calibration measured faster compiled (``true`` without a
+    tree measurement: all of :data:`TREE_SIZES`; ``auto``: none until measured)."""
+    if runner.compiled is None:
+        return ()
+    if calibration is not None and calibration.tree_sizes:
+        return calibration.paying_tree_sizes
+    return TREE_SIZES if choice is True else ()
 
 
 def _auto_pays(runner, context: int, new_tokens: int, calibration: CompileCalibration | None) -> bool:

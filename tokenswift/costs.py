@@ -4,7 +4,9 @@
 (linearly in context length, piecewise linearly in node count), scales one-token
 forwards by the compiled/eager ratio of the
 :class:`~tokenswift.compiling.CompileCalibration` while the runner's one-token forwards
-are compiled, and corrects itself from the forward times the run observes.
+are compiled, prices a compiled tree forward as the eager one of its padded size less
+what the calibration measured compiling saves there, and corrects itself from the
+forward times the run observes.
 
 Costs only choose which candidates are verified; they never change what is accepted.
 """
@@ -23,14 +25,20 @@ class CostModel:
     a loaded or a faster machine is followed within a few dozen steps while the shape of
     the curve (what one more node costs relative to a step) stays the measured one.
 
-    compiled: asked at every prediction whether one-token forwards run compiled now
-    (the runner's own answer: a compile that fails mid-run turns it false)."""
+    compiled_size: asked at every prediction at which size a forward of n tokens runs
+    compiled now, or None: eager (the runner's own answer,
+    :meth:`~tokenswift.model.runner.Runner.compiled_size`: a compile that fails
+    mid-run turns it to None)."""
 
     def __init__(
-        self, calibration: Calibration, *, compiled: Callable[[], bool] = lambda: False, smoothing: float = 0.05
+        self,
+        calibration: Calibration,
+        *,
+        compiled_size: Callable[[int], int | None] = lambda nodes: None,
+        smoothing: float = 0.05,
     ) -> None:
         self.calibration = calibration
-        self.compiled = compiled
+        self.compiled_size = compiled_size
         self.smoothing = smoothing
         self.scale = 1.0
         self.compile_calibration: CompileCalibration | None = None  # see use_compile_calibration
@@ -41,10 +49,15 @@ class CostModel:
         self.compile_calibration = calibration
 
     def _predicted(self, nodes: int, context: int) -> float:
-        seconds = self.calibration.forward_seconds(nodes, context)
-        if nodes == 1 and self.compile_calibration is not None and self.compiled():
-            seconds *= self.compile_calibration.factor(context)
-        return seconds
+        eager = self.calibration.forward_seconds(nodes, context)
+        size = self.compiled_size(nodes) if self.compile_calibration is not None else None
+        if size == 1:
+            return eager * self.compile_calibration.factor(context)
+        saving = None if size is None else self.compile_calibration.tree_saving_seconds(size)
+        if saving is None:
+            return eager
+        # compiled at the padded size: its eager cost less what compiling saves there
+        return max(self.calibration.forward_seconds(size, context) - saving, 0.2 * eager)
 
     def forward_seconds(self, nodes: int, context: int) -> float:
         return self._predicted(nodes, context) * self.scale

@@ -40,7 +40,7 @@ from tokenswift.interfaces import (
     CachePolicy, Component, DecodeState, Drafter, DraftInputs, Retriever, RootPass, StepOutcome, Verdict, Verifier,
 )
 from tokenswift.model.kv import FullView
-from tokenswift.model.runner import PrefilledPrompt, Runner
+from tokenswift.model.runner import PrefilledPrompt, Runner, select_features
 from tokenswift.sampling import STREAM_DRAFTS, make_sampler
 from tokenswift.scoring import NodeScores, Scorer
 from tokenswift.spec import SamplingSpec
@@ -187,9 +187,11 @@ class Generation:
         setup, runner = self.setup, self.setup.runner
         started = time.perf_counter()
         runner.store.reset()
-        wanted = setup.drafter.prompt_features
+        wanted, layers = setup.drafter.prompt_features, setup.drafter.feature_layers
         if prefilled is None:
-            hidden = runner.prefill(torch.tensor(self.state.tokens[:-1], dtype=torch.long), keep_hidden=max(1, wanted))
+            hidden = runner.prefill(
+                torch.tensor(self.state.tokens[:-1], dtype=torch.long), keep_hidden=max(1, wanted), layers=layers
+            )
         else:
             if list(prefilled.tokens) != self.state.tokens:
                 raise ValueError("prefill: the prefilled prompt is not this run's context")
@@ -198,8 +200,9 @@ class Generation:
             kept = 0 if hidden is None else hidden.shape[0]
             if hidden is not None and kept < min(max(1, wanted), prefilled.positions):
                 raise ValueError(f"prefill: the drafter wants {wanted} prompt features, the prefilled prompt kept {kept}")
-            hidden = None if hidden is None else hidden[-max(1, wanted):]
-        self.parent_hidden = None if hidden is None else hidden[-1]
+            hidden = None if hidden is None else select_features(hidden[-max(1, wanted):], prefilled.layers, layers)
+        # the final-norm state is the features' last block
+        self.parent_hidden = None if hidden is None else hidden[-1, -runner.lm_head.weight.shape[1]:]
         for component in setup.components:
             component.start(self.state)
         if wanted:
@@ -222,7 +225,10 @@ class Generation:
             selection = speculator.select(candidates, tuple(proposing), context)
             tree = selection.tree
             clock.lap("propose")
-            output = runner.forward(tree.token_tensor(), tree_mask=tree.mask(), depths=tree.depth_tensor(), logits_rows=None)
+            output = runner.forward(
+                tree.token_tensor(), tree_mask=tree.mask(), depths=tree.depth_tensor(), logits_rows=None,
+                layers=setup.drafter.feature_layers,
+            )
             scores = NodeScores(tree, output.hidden, runner, setup.scorer, state.tokens, with_root=selection.likely)
             clock.lap("forward")
             try:
@@ -232,7 +238,7 @@ class Generation:
                 self.finish_reason = "non-finite scores"
                 return
             clock.lap("verify")
-            emitted, kept = self.commit(tree, verdict, output.hidden)
+            emitted, kept = self.commit(tree, verdict, output.hidden, output.features)
             clock.lap("commit")
             speculator.learn(StepFacts(
                 tree=tree, verdict=verdict, context=context, forward_seconds=clock.seconds["forward"],
@@ -294,10 +300,13 @@ class Generation:
             return None
         return self.sampler.without_replacement(q, k, len(self.state.tokens) - 1 + depth, STREAM_DRAFTS)
 
-    def commit(self, tree: DraftTree, verdict: Verdict, hidden: torch.Tensor) -> tuple[list[int], list[int]]:
+    def commit(
+        self, tree: DraftTree, verdict: Verdict, hidden: torch.Tensor, features: torch.Tensor | None = None
+    ) -> tuple[list[int], list[int]]:
         """Make the step permanent: the KV keeps the root and the accepted path, the
         emitted tokens (cut at ``max_new_tokens`` and EOS) are appended, and the
-        components observe the step. hidden: [len(tree), hidden_size]. Returns
+        components observe the step. hidden: [len(tree), hidden_size]; features: the
+        drafter's (:func:`~tokenswift.model.runner.features`; default ``hidden``). Returns
         (emitted tokens, accepted nodes kept)."""
         setup, state = self.setup, self.state
         setup.runner.commit([0, *verdict.accepted])
@@ -308,7 +317,10 @@ class Generation:
                 emitted = emitted[: i + 1]
                 self.finish_reason = "eos"
                 break
-        outcome = StepOutcome(emitted=emitted, tree=tree, accepted=list(verdict.accepted), hidden=hidden)
+        outcome = StepOutcome(
+            emitted=emitted, tree=tree, accepted=list(verdict.accepted), hidden=hidden,
+            features=hidden if features is None else features,
+        )
         state.tokens.extend(emitted)
         state.step += 1
         self._resume_point = (len(state.tokens), self.generator.get_state())

@@ -133,13 +133,17 @@ class StepOutcome:
 
     emitted: the new tokens (accepted, then the bonus; cut at EOS / max_new_tokens);
     tree and accepted: the verified tree and its accepted nodes (root excluded);
-    hidden: [len(tree), hidden_size], the verify forward's final-norm hidden states.
+    hidden: [len(tree), hidden_size], the verify forward's final-norm hidden states;
+    features: [len(tree), F], what the drafter reads of the same rows
+    (:func:`~tokenswift.model.runner.features` of its :attr:`Drafter.feature_layers`;
+    ``hidden`` when it names none).
     """
 
     emitted: list[int]
     tree: DraftTree
     accepted: list[int]
     hidden: torch.Tensor
+    features: torch.Tensor | None = None
 
     @property
     def bonus_parent(self) -> int:
@@ -178,15 +182,23 @@ class Component(abc.ABC):
 class Drafter(Component):
     @property
     def prompt_features(self) -> int:
-        """How many of the prompt's last positions' final-norm hidden states the drafter
-        wants at :meth:`prime` (0: none; the prefill then keeps only the last)."""
+        """How many of the prompt's last positions' features the drafter wants at
+        :meth:`prime` (0: none; the prefill then keeps only the last)."""
         return 0
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """Decoder layers whose outputs the drafter reads beside the final-norm state
+        (transformers' ``hidden_states`` numbering); () for the final-norm state only.
+        Forwards that read inner layers run eagerly."""
+        return ()
 
     def prime(self, state: DecodeState, hidden: torch.Tensor | None) -> None:
         """After :meth:`start`, for a drafter with :attr:`prompt_features`: ``hidden`` is
-        [m, hidden_size], the final-norm hidden states of the m positions before the
-        root (position p's state gave token p+1), m <= prompt_features; None for a
-        one-token context."""
+        [m, F], the features of the m positions before the root (position p's gave
+        token p+1; :func:`~tokenswift.model.runner.features`: the final-norm hidden
+        state, preceded by the outputs of :attr:`feature_layers`), m <= prompt_features;
+        None for a one-token context."""
 
     @abc.abstractmethod
     def propose(self, state: DecodeState, inputs: DraftInputs) -> list[list[int] | Branch]:

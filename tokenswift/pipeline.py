@@ -245,7 +245,7 @@ class Pipeline:
             calibration = calibration_for(self.runner, self.scorer)
             calibration.apply_linears(self.runner)
             runner = self.runner
-            self._costs = CostModel(calibration, compiled=lambda: runner.compiled is not None)
+            self._costs = CostModel(calibration, compiled_size=runner.compiled_size)
         return self._costs
 
     def prepare(self, prompt_tokens: int, max_new_tokens: int, *, done_tokens: int = 0, ignore_eos: bool = False) -> DecodingSetup:

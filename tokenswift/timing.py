@@ -76,6 +76,22 @@ def one_token_step(runner, context: int):
     return run
 
 
+def tree_step(runner, context: int, nodes: int):
+    """A verify forward of a ``nodes``-token tree (a root and its children, each
+    seeing the root) over ``context`` committed positions, staged, never committed."""
+    tokens = torch.zeros(nodes, dtype=torch.long)
+    mask = torch.eye(nodes, dtype=torch.bool)
+    mask[:, 0] = True
+    depths = torch.ones(nodes, dtype=torch.long)
+    depths[0] = 0
+
+    def run():
+        runner.store.occupy(context)
+        runner.forward(tokens, tree_mask=mask, depths=depths, logits_rows=None)
+
+    return run
+
+
 def measured_contexts(runner, wanted: tuple[int, ...]) -> tuple[int, ...]:
     """``wanted`` context lengths, each at most half the model's context."""
     limit = int(getattr(runner.config, "max_position_embeddings", None) or wanted[-1] * 2)

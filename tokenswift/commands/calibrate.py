@@ -17,7 +17,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     parser.add_argument("--show", action="store_true", help="show the cached calibration instead of measuring again")
     parser.add_argument(
-        "--compile", action="store_true", help="also compare compiled and eager one-token steps (compiles the model)"
+        "--compile", action="store_true", help="also compare compiled and eager one-token steps and tree verify forwards (compiles the model)"
     )
 
 
@@ -68,4 +68,13 @@ def show_compile(runner, *, refresh: bool) -> None:
     print("one-token step (forward + LM-head row), ms, eager vs compiled:")
     for context, eager, compiled in zip(result.contexts, result.eager_ms, result.compiled_ms):
         print(f"  context {context}: eager {eager:.1f}, compiled {compiled:.1f} ({eager / compiled:.2f}x)")
-    print(f"compiling took {result.compile_seconds:.1f} s; cached in {CompileCalibration.path(result.key)}", file=sys.stderr)
+    if result.tree_sizes:
+        print(f"tree verify forward at context {result.contexts[-1]}, ms, eager vs compiled (padded sizes):")
+        for size, eager, compiled in zip(result.tree_sizes, result.tree_eager_ms, result.tree_compiled_ms):
+            verdict = "compiled" if size in result.paying_tree_sizes else "eager"
+            print(f"  {size} tokens: eager {eager:.1f}, compiled {compiled:.1f} ({eager / compiled:.2f}x) -> {verdict}")
+    print(
+        f"compiling took {result.compile_seconds:.1f} s (one token) + {result.tree_compile_seconds:.1f} s (trees); "
+        f"cached in {CompileCalibration.path(result.key)}",
+        file=sys.stderr,
+    )

@@ -62,6 +62,11 @@ def add_arguments(parser) -> None:
         "--init", default=default["init"],
         help="start from this trained network (a train-drafter directory, or 'shipped') instead of a fresh one",
     )
+    parser.add_argument(
+        "--fused-layers", type=int, nargs="+", default=list(default["fused_layers"]), metavar="K",
+        help="EAGLE-3's fused features: also read the outputs of these decoder layers (1-based, e.g. 2 15), "
+        "fused with the final-norm state; default: those of --init, or none",
+    )
     add_training_schedule(parser, default)
 
 
@@ -92,6 +97,7 @@ def run(args, argv: list[str] | None = None) -> int:
             checkpoint_every=args.checkpoint_every,
             holdout=tuple(name.strip() for name in args.holdout.split(",") if name.strip()),
             init=args.init,
+            fused_layers=tuple(args.fused_layers),
         )
     except ValueError as exc:
         raise CliError(f"train-drafter: {exc}") from None

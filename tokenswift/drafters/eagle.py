@@ -3,7 +3,8 @@
 No extra forward of the target. Each step the drafter
 
 1. feeds its layer the pairs (feature, next token) that the last verify forward
-   committed: the root's and every accepted node's hidden state, each with the token
+   committed: the root's and every accepted node's hidden state (fused with inner
+   layers' outputs where the network was trained so: ``fused_layers``), each with the token
    that followed it (the last pair is the one that gave the current root). Their keys
    and values join the draft layer's own cache (the last ``window`` pairs);
 2. from the output of the last pair (the predicted feature of the root's position)
@@ -117,6 +118,10 @@ class EagleDrafter(Drafter):
     def prompt_features(self) -> int:
         return self.options.window
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.net.config.fused_layers
+
     # -- keeping the draft layer's cache in step with the committed text ---------------
 
     def start(self, state) -> None:
@@ -129,8 +134,8 @@ class EagleDrafter(Drafter):
         self.verified_depths: collections.deque[int] = collections.deque([self.options.depth], maxlen=8)
 
     def prime(self, state, hidden: torch.Tensor | None) -> None:
-        """hidden: [m, H], the prompt's last m positions before the root (each the
-        feature that gave the token after it)."""
+        """hidden: [m, F], the prompt's last m positions before the root (each the
+        features that gave the token after it)."""
         if hidden is None or len(hidden) == 0:
             return
         m = len(hidden)
@@ -147,7 +152,7 @@ class EagleDrafter(Drafter):
         tree = outcome.tree
         self.verified_depths.append(max((d for d, src in zip(tree.depths, tree.sources) if src == DRAFTER), default=0))
         for node, token in zip([0, *outcome.accepted], outcome.emitted):
-            self.pending_features.append(outcome.hidden[node])
+            self.pending_features.append(outcome.features[node])
             self.pending_tokens.append(token)
         excess = len(self.pending_tokens) - self.options.window  # older pairs would leave the window anyway
         if excess > 0:
@@ -161,7 +166,7 @@ class EagleDrafter(Drafter):
         m = len(self.pending_tokens)
         device = self.runner.device
         tokens = torch.tensor(self.pending_tokens, device=device)
-        features = torch.stack(self.pending_features).to(device, torch.float32)
+        features = self.net.feature(torch.stack(self.pending_features).to(device, torch.float32))  # [m, H]
         x = self.net.fuse(self.embed(tokens).to(torch.float32), features)[None]  # [1, m, H]
         positions = torch.arange(self.next_position, self.next_position + m, device=device)
         keys, values = self.net.keys_values(x, positions)

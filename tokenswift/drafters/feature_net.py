@@ -14,6 +14,14 @@ Deeper drafts feed the layer its own predicted feature: the pair (out_j, t_{j+2}
 out_{j+1}, and so on. The layer attends over the pairs of the committed text (true
 features) and over the draft's own ancestors.
 
+EAGLE-3's fused features (``fused_layers``): the committed pairs' feature is not the
+final-norm state alone but a linear fuse of the outputs of some inner decoder layers
+and the final-norm state, ``h_j = reduce([l_j^(a), l_j^(b), ..., h_j^final])``
+(``[(L + 1) H] -> [H]``): low and middle layers still hold what the top of the model
+has already turned into a next-token guess. Deeper draft levels still feed back the
+layer's own output. ``reduce`` starts as "the final-norm block", so a network trained
+on final-norm features alone carries over unchanged (:meth:`FeatureNet.with_fused_layers`).
+
 The LM head is restricted to the ``draft_vocab`` most frequent tokens of the training
 text (EAGLE-3's reduced vocabulary): for a 135M model the full head is a fifth of the
 weights, and reading it at every draft depth would cost more than it earns. Embedding
@@ -56,6 +64,14 @@ class FeatureNetConfig:
     rms_norm_eps: float = 1e-5
     fingerprint: str | None = None
     format: str = FORMAT
+    # Inner decoder layers whose outputs are fused with the final-norm state
+    # (transformers' ``hidden_states`` numbering); (): the final-norm state alone.
+    fused_layers: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+
+    @property
+    def feature_size(self) -> int:
+        """The width of the target's features the network reads per position."""
+        return (len(self.fused_layers) + 1) * self.hidden_size
 
     @classmethod
     def for_model(cls, model: nn.Module, draft_vocab: int | None = None) -> FeatureNetConfig:
@@ -111,8 +127,14 @@ class FeatureNet(nn.Module):
         self.up = nn.Linear(h, config.intermediate_size, bias=False)
         self.down = nn.Linear(config.intermediate_size, h, bias=False)
         self.register_buffer("draft_tokens", torch.arange(config.draft_vocab), persistent=True)
+        self.reduce = nn.Linear(config.feature_size, h, bias=False) if config.fused_layers else None
 
     # -- the layer ------------------------------------------------------------------
+
+    def feature(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's features [..., feature_size] (fused layers' outputs, then the
+        final-norm state) -> the feature the layer reads [..., H]."""
+        return features if self.reduce is None else self.reduce(features)
 
     def fuse(self, embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """embeds, features: [..., H] -> the layer's input [..., H]."""
@@ -147,7 +169,7 @@ class FeatureNet(nn.Module):
 
     def unrolled(self, embed: nn.Module, features: torch.Tensor, tokens: torch.Tensor, depth: int) -> list[torch.Tensor]:
         """Training and evaluation: ``depth`` draft levels over whole windows, as the
-        drafter runs them. features: [B, T, H] the target's; tokens: [B, T].
+        drafter runs them. features: [B, T, feature_size] the target's; tokens: [B, T].
 
         Level k (1-based) at index j takes (level k-1's output at j, or h_j for k = 1)
         with token j+k, sits at position j+k-1, and attends to level 1's pairs 0..j
@@ -159,7 +181,7 @@ class FeatureNet(nn.Module):
         causal = index[None, :] <= index[:, None]  # [T, T]
         diagonal = torch.eye(t, dtype=torch.bool, device=features.device)
         outputs, all_keys, all_values, masks = [], [], [], []
-        previous = features
+        previous = self.feature(features)
         for k in range(1, depth + 1):
             next_tokens = tokens[:, (index + k).clamp(max=t - 1)]
             x = self.fuse(embed(next_tokens).to(features.dtype), previous)
@@ -197,7 +219,31 @@ class FeatureNet(nn.Module):
             # fc starts as "the feature": the output then predicts what h_j predicts.
             h = self.config.hidden_size
             self.fc.weight[:, h:] += torch.eye(h)
+            self._reduce_to_final()
         return self
+
+    def _reduce_to_final(self) -> None:
+        """``reduce`` as "the final-norm block" (the other layers' weights zero)."""
+        if self.reduce is not None:
+            with torch.no_grad():
+                h = self.config.hidden_size
+                self.reduce.weight.zero_()
+                self.reduce.weight[:, -h:] = torch.eye(h)
+
+    def with_fused_layers(self, layers: tuple[int, ...]) -> FeatureNet:
+        """This network reading ``layers``' outputs beside the final-norm state: a copy
+        whose ``reduce`` starts as the final-norm block, so it drafts exactly as this
+        one until trained. Only from a network that reads the final-norm state alone."""
+        layers = tuple(int(k) for k in layers)
+        if self.config.fused_layers == layers:
+            return self
+        if self.config.fused_layers:
+            raise ValueError(f"this network fuses layers {list(self.config.fused_layers)} already, not {list(layers)}")
+        net = type(self)(attrs.evolve(self.config, fused_layers=layers))
+        missing, unexpected = net.load_state_dict(self.state_dict(), strict=False)
+        assert not unexpected and missing == ["reduce.weight"], (missing, unexpected)
+        net._reduce_to_final()
+        return net.to(self.fc.weight.dtype)
 
     def save_pretrained(self, directory: str | os.PathLike) -> None:
         save_module(self, directory, FORMAT)
@@ -223,6 +269,12 @@ class FeatureNet(nn.Module):
                 raise ModelLoadError(
                     f"the eagle drafter at {directory} was made for another model "
                     f"(fingerprint {config.fingerprint}, this model's {expected.fingerprint})"
+                )
+            layers = text_config(model).num_hidden_layers
+            if not all(1 <= k < layers for k in config.fused_layers):
+                raise ModelLoadError(
+                    f"the eagle drafter at {directory} fuses layers {list(config.fused_layers)}; "
+                    f"this model's inner layers are 1..{layers - 1}"
                 )
         net = cls(config)
         try:

@@ -20,7 +20,9 @@ token, with static shapes:
 
 The compiled graph computes the same function in another order of operations, so its
 results differ from eager ones by rounding only (float32 logits within 1e-4 in the
-tests). Forwards of several tokens (trees, prompt chunks) stay eager. Whether a run
+tests). Tree verify forwards can run compiled too, at a few padded sizes (each a graph
+of its own; :meth:`tokenswift.model.runner.Runner.use_compiled_trees`); prompt chunks
+stay eager. Whether a run
 compiles is decided in :mod:`tokenswift.compiling`; compiling the demo model takes ~2
 minutes the first time on the 2-core CPU and ~15 s once inductor's cache (kept under
 ``$TOKENSWIFT_CACHE/inductor``) holds the kernels. ``docs/compiled.md`` has the measurements.
@@ -107,7 +109,8 @@ class CompiledForward:
         mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
 
         def forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            # input_ids, positions: [1, 1] long -> [1, hidden_size] final-norm hidden state
+            # input_ids, positions: [1, n] long -> [n, hidden_size] final-norm hidden states
+            # (one graph per n: one token, or a padded tree size)
             with OneRowProducts() if one_row else contextlib.nullcontext():
                 out = decoder(
                     input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=False,
@@ -128,12 +131,15 @@ class CompiledForward:
             # A C++ wrapper calls the ~500 kernels of a step without Python in between.
             "cpp_wrapper": device.type == "cpu",
         }
+        # Each model's forward is one code object with a graph per token count (one
+        # token and each padded tree size): room for them all.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
         self._graphs = {
             "forward": torch.compile(_own_code(forward), dynamic=False, fullgraph=True, options=options),
             "logits": torch.compile(_own_code(logits), dynamic=False, fullgraph=True, options=options),
         }
-        self._ready: set[str] = set()
-        self.compile_seconds = 0.0  # what compiling both graphs took (first calls)
+        self._ready: set[tuple[str, int]] = set()  # (graph, new tokens) compiled
+        self.compile_seconds = 0.0  # what compiling the graphs took (first calls)
         self.failure: CompileUnavailable | None = None  # why compiling failed, once it has
         self.device = device
 
@@ -152,12 +158,17 @@ class CompiledForward:
 
     @property
     def compiled(self) -> bool:
-        """Both graphs have been compiled."""
-        return len(self._ready) == len(self._graphs)
+        """Both one-token graphs have been compiled."""
+        return {("forward", 1), ("logits", 1)} <= self._ready
+
+    def has_tree_graph(self, tokens: int) -> bool:
+        """The forward of ``tokens`` new tokens has been compiled in this process."""
+        return ("forward", tokens) in self._ready
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [1, 1] long; the caller makes the plan active
-        (:func:`tokenswift.model.attention.attending`). Returns [1, hidden_size]."""
+        """input_ids, positions: [1, n] long; the caller makes the plan active
+        (:func:`tokenswift.model.attention.attending`). Returns [n, hidden_size]. Each
+        n is a graph of its own, compiled at its first call."""
         return self._call("forward", input_ids, positions)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -166,13 +177,16 @@ class CompiledForward:
 
     def _call(self, name: str, *args) -> torch.Tensor:
         graph = self._graphs[name]
-        if name in self._ready:
+        key = (name, args[0].shape[-1] if name == "forward" else 1)
+        if key in self._ready:
             return graph(*args)
         if self.failure is not None:
             raise self.failure
         if not self._ready:  # said once: the wait is the first step's
             logger.warning("compiling the one-token forward (once per process: seconds with inductor's cache warm, "
                            "up to ~2 minutes cold on a small CPU)")
+        elif key[1] > 1:
+            logger.warning("compiling the %d-token tree forward (once per process and size)", key[1])
         started = time.perf_counter()
         try:
             out = graph(*args)
@@ -182,8 +196,8 @@ class CompiledForward:
             raise self.failure from exc
         seconds = time.perf_counter() - started
         self.compile_seconds += seconds
-        self._ready.add(name)
-        logger.info("compiled the one-token %s in %.1f s", name, seconds)
+        self._ready.add(key)
+        logger.info("compiled the %d-token %s in %.1f s", key[1], name, seconds)
         return out
 
 

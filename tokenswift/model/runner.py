@@ -39,11 +39,17 @@ class ForwardOutput:
     """logits: [m, vocab] for the rows asked for (float32, or float64 for float64 models);
     hidden: [m, hidden_size], the final-norm hidden states of the same rows;
     attention: with ``record_attention``, per layer the last query's attention
-    probabilities per KV head, [kv_heads, K] float32."""
+    probabilities per KV head, [kv_heads, K] float32; features: with ``layers``, the
+    same rows' :func:`features` [m, (len(layers) + 1) * hidden_size] (else ``hidden``)."""
 
     logits: torch.Tensor | None
     hidden: torch.Tensor
     attention: dict[int, torch.Tensor] | None = None
+    layer_states: torch.Tensor | None = None  # [m, len(layers) * hidden_size]
+
+    @property
+    def features(self) -> torch.Tensor:
+        return features(self.layer_states, self.hidden)
 
     def __repr__(self) -> str:
         shape = None if self.logits is None else tuple(self.logits.shape)
@@ -58,7 +64,8 @@ class PrefilledPrompt:
     tokens: the prompt ids, whose first ``len(tokens) - 1`` positions are prefilled (the
     last token is the first step's root); keys/values: per layer [1, kv_heads, P, D]
     copies of those positions; hidden: [m, hidden_size], the final-norm hidden states of
-    the last m of them; model: the model they were computed with.
+    the last m of them, preceded by the outputs of decoder ``layers`` (:func:`features`);
+    model: the model they were computed with.
     """
 
     tokens: tuple[int, ...]
@@ -67,6 +74,7 @@ class PrefilledPrompt:
     hidden: torch.Tensor | None
     model: torch.nn.Module
     seconds: float
+    layers: tuple[int, ...] = ()
 
     def __repr__(self) -> str:
         return f"PrefilledPrompt(tokens={len(self.tokens)}, hidden={None if self.hidden is None else tuple(self.hidden.shape)})"
@@ -74,6 +82,27 @@ class PrefilledPrompt:
     @property
     def positions(self) -> int:
         return len(self.tokens) - 1
+
+
+def features(layer_states: torch.Tensor | None, hidden: torch.Tensor) -> torch.Tensor:
+    """What a drafter reads of the target at a position: the outputs of some decoder
+    layers (``layer_states`` [m, L * hidden_size], transformers' ``hidden_states[k]``
+    for each chosen k, in order; None for none) followed by the final-norm hidden state
+    (``hidden`` [m, hidden_size]): [m, (L + 1) * hidden_size]."""
+    return hidden if layer_states is None else torch.cat([layer_states, hidden], -1)
+
+
+def select_features(rows: torch.Tensor, have: tuple[int, ...], want: tuple[int, ...]) -> torch.Tensor:
+    """rows: [m, (len(have) + 1) * H] features of layers ``have`` -> those of ``want``
+    (each of which ``have`` holds)."""
+    if have == want:
+        return rows
+    missing = [k for k in want if k not in have]
+    if missing:
+        raise ValueError(f"the features hold layers {list(have)}, not {missing}")
+    size = rows.shape[-1] // (len(have) + 1)
+    blocks = rows.view(*rows.shape[:-1], len(have) + 1, size)
+    return blocks[..., [have.index(k) for k in want] + [len(have)], :].flatten(-2)
 
 
 def causal_mask(n: int, device=None) -> torch.Tensor:
@@ -109,6 +138,7 @@ class Runner:
         self.packed_from_rows: int | None = None
         self.packed_lm_head = False
         self.compiled: CompiledForward | None = None  # see use_compiled
+        self.compiled_tree_sizes: tuple[int, ...] = ()  # see use_compiled_trees
         self.prefill_dtype = self.dtype  # see use_prefill_dtype
 
     # -- how products are computed -------------------------------------------------
@@ -142,6 +172,25 @@ class Runner:
             raise compiled.failure
         self.compiled = compiled
         return self.compiled
+
+    def use_compiled_trees(self, sizes) -> None:
+        """While one-token forwards run compiled, run verify forwards of 2..max(sizes)
+        new tokens compiled too, each padded to the smallest of ``sizes`` that holds it
+        (each size a graph of its own, compiled at its first use); () for none.
+        Padding tokens see only themselves and are never committed."""
+        sizes = tuple(sorted({int(size) for size in sizes}))
+        if any(size < 2 for size in sizes):
+            raise ValueError(f"compiled tree sizes must be >= 2, got {list(sizes)}")
+        self.compiled_tree_sizes = sizes
+
+    def compiled_size(self, tokens: int) -> int | None:
+        """The padded size a verify forward of ``tokens`` new tokens runs compiled at
+        (1 for one token), or None: eager."""
+        if self.compiled is None:
+            return None
+        if tokens == 1:
+            return 1
+        return next((size for size in self.compiled_tree_sizes if size >= tokens), None)
 
     def use_prefill_dtype(self, dtype: torch.dtype) -> None:
         """Compute prompt prefills (:meth:`prefill`) in ``dtype`` with a copy of the
@@ -249,6 +298,7 @@ class Runner:
         view: KVView | None = None,
         logits_rows: torch.Tensor | slice | None = slice(None),
         record_attention: bool = False,
+        layers: tuple[int, ...] = (),
     ) -> ForwardOutput:
         """Forward new tokens over the committed KV (``view=None``: all of it, the new
         tokens staged for :meth:`commit`) or over a drafting ``view`` of it.
@@ -256,6 +306,9 @@ class Runner:
         tokens: [n] long. tree_mask: [n, n] bool, row i = tokens i may see (itself
         included); default causal. depths: [n] long, default ``arange(n)``.
         logits_rows: which rows get logits (index tensor or slice); None for none.
+        layers: decoder layers whose outputs the result's ``features`` hold
+        (transformers' ``hidden_states`` numbering: k = the output of the k-th layer,
+        1 <= k < num_layers); such forwards run eagerly.
         """
         store = self._require_store()
         tokens = tokens.to(device=self.device, dtype=torch.long)
@@ -269,11 +322,19 @@ class Runner:
         tree_mask = tree_mask.to(self.device, torch.bool)
         recorder = AttentionRecorder() if record_attention else None
         plan = ForwardPlan(view=view, tree_mask=tree_mask, recorder=recorder)
-        if self.compiled is not None and n == 1:
+        size = None if layers else self.compiled_size(n)
+        if size is not None and n > 1 and (
+            recorder is not None or not isinstance(view, Staging) or store.length + size > store.capacity
+        ):
+            size = None  # trees compile for verify forwards (that fit) only; the recorder reads the last row
+        if size is not None:
             try:
-                with attending(plan, store):
-                    hidden = self.compiled.forward(tokens.view(1, 1), positions)  # [1, hidden_size]
-                return self._output(plan, store, hidden, logits_rows, recorder)
+                padded_tokens, padded_positions, padded_plan = self._padded(tokens, positions, plan, size)
+                with attending(padded_plan, store):
+                    # copies made here are inference tensors whatever the caller's were:
+                    # one graph per size, not one per kind of input tensor
+                    hidden = self.compiled.forward(padded_tokens.clone(), padded_positions.clone())[:n]  # [n, hidden_size]
+                return self._output(padded_plan, store, hidden, logits_rows, recorder)
             except CompileUnavailable as exc:
                 self._compile_failed(exc)  # then the same forward, eager
         self.cache.plan = plan
@@ -287,20 +348,46 @@ class Runner:
                     position_ids=positions,
                     cache=self.cache,
                     use_cache=True,
+                    output_hidden_states=bool(layers),
                     **{PLAN_KWARG: plan},
                 )
         finally:
             self.cache.plan = None
-        return self._output(plan, store, out.last_hidden_state[0], logits_rows, recorder)
+        states = None
+        if layers:
+            if not all(1 <= k < self.num_layers for k in layers):
+                raise ValueError(
+                    f"layers {list(layers)}: the outputs of this model's decoder layers 1..{self.num_layers - 1} "
+                    "can be read (the last one's is the final-norm state, always there)"
+                )
+            states = torch.cat([out.hidden_states[k][0] for k in layers], -1)  # [n, L * hidden_size]
+        return self._output(plan, store, out.last_hidden_state[0], logits_rows, recorder, states)
 
-    def _output(self, plan: ForwardPlan, store: KVStore, hidden: torch.Tensor, logits_rows, recorder) -> ForwardOutput:
-        """hidden: [n, hidden_size], the forward's final-norm states."""
+    @staticmethod
+    def _padded(tokens, positions, plan: ForwardPlan, size: int):
+        """A forward of n tokens as one of ``size``: the padding repeats the last token
+        at its position and sees only itself (the real tokens never see it; it is never
+        committed). Returns tokens and positions [1, size] and the padded plan."""
+        n = int(tokens.numel())
+        if size == n:
+            return tokens.view(1, n), positions, plan
+        pad = size - n
+        mask = torch.eye(size, dtype=torch.bool, device=tokens.device)
+        mask[:n, :n] = plan.tree_mask
+        padded_tokens = torch.cat([tokens, tokens[-1:].expand(pad)]).view(1, size)
+        padded_positions = torch.cat([positions, positions[:, -1:].expand(1, pad)], 1)
+        return padded_tokens, padded_positions, ForwardPlan(view=plan.view, tree_mask=mask, recorder=plan.recorder)
+
+    def _output(self, plan: ForwardPlan, store: KVStore, hidden: torch.Tensor, logits_rows, recorder, states=None) -> ForwardOutput:
+        """hidden: [n, hidden_size], the forward's final-norm states; states: [n, L * hidden_size]
+        the chosen layers' outputs (or None)."""
         plan.view.finish(store, plan.new_tokens)
         attention = recorder.probabilities if recorder is not None else None
         if logits_rows is None:
-            return ForwardOutput(logits=None, hidden=hidden, attention=attention)
+            return ForwardOutput(logits=None, hidden=hidden, attention=attention, layer_states=states)
         hidden = hidden[logits_rows]
-        return ForwardOutput(logits=self.logits(hidden), hidden=hidden, attention=attention)
+        states = None if states is None else states[logits_rows]
+        return ForwardOutput(logits=self.logits(hidden), hidden=hidden, attention=attention, layer_states=states)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -314,9 +401,10 @@ class Runner:
         with products:
             return self.lm_head(hidden).to(self.logits_dtype)
 
-    def prefill_prompt(self, prompt: list[int], *, keep_hidden: int = 1) -> PrefilledPrompt:
+    def prefill_prompt(self, prompt: list[int], *, keep_hidden: int = 1, layers: tuple[int, ...] = ()) -> PrefilledPrompt:
         """Prefill ``prompt`` minus its last token into this runner's store (allocating
-        what it needs) and keep a copy to :meth:`restore` runs from."""
+        what it needs) and keep a copy to :meth:`restore` runs from (with the features
+        of ``layers``, see :meth:`prefill`)."""
         started = time.perf_counter()
         prompt = [int(t) for t in prompt]
         if not prompt:
@@ -324,13 +412,13 @@ class Runner:
         if self.store is None or self.store.capacity < len(prompt):
             self.allocate(len(prompt))
         self.store.reset()
-        hidden = self.prefill(torch.tensor(prompt[:-1], dtype=torch.long), keep_hidden=keep_hidden)
+        hidden = self.prefill(torch.tensor(prompt[:-1], dtype=torch.long), keep_hidden=keep_hidden, layers=layers)
         length = self.store.length
         keys = [k[:, :, :length].clone() for k in self.store.keys]
         values = [v[:, :, :length].clone() for v in self.store.values]
         return PrefilledPrompt(
             tokens=tuple(prompt), keys=keys, values=values, hidden=hidden, model=self.model,
-            seconds=time.perf_counter() - started,
+            seconds=time.perf_counter() - started, layers=tuple(layers),
         )
 
     def restore(self, prefilled: PrefilledPrompt) -> None:
@@ -343,19 +431,22 @@ class Runner:
             raise ValueError(f"restore: {length} prefilled positions do not fit a store of {store.capacity}")
         store.load(prefilled.keys, prefilled.values)
 
-    def prefill(self, tokens: torch.Tensor, *, chunk_size: int = 512, keep_hidden: int = 1) -> torch.Tensor | None:
+    def prefill(
+        self, tokens: torch.Tensor, *, chunk_size: int = 512, keep_hidden: int = 1, layers: tuple[int, ...] = ()
+    ) -> torch.Tensor | None:
         """Forward a prompt in causal chunks and commit all of it, computing in
         :attr:`prefill_dtype` (see :meth:`use_prefill_dtype`). tokens: [n] long.
         Returns the final-norm hidden states of its last ``keep_hidden`` tokens
-        ([min(keep_hidden, n), hidden_size]; None for n = 0)."""
+        ([min(keep_hidden, n), hidden_size]; None for n = 0), preceded by the outputs
+        of decoder ``layers`` (:func:`features`: [m, (len(layers) + 1) * hidden_size])."""
         tokens = torch.as_tensor(tokens, dtype=torch.long)
         kept = None
         with self._prefilling():
             for start in range(0, int(tokens.numel()), chunk_size):
                 chunk = tokens[start : start + chunk_size]
-                out = self.forward(chunk, logits_rows=None)
+                out = self.forward(chunk, logits_rows=None, layers=layers)
                 self.commit(torch.arange(chunk.numel()))
-                tail = out.hidden[-keep_hidden:].to(self.dtype)
+                tail = out.features[-keep_hidden:].to(self.dtype)
                 kept = tail if kept is None else torch.cat([kept, tail])[-keep_hidden:]
                 kept = kept.clone()
         return kept

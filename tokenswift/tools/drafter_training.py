@@ -4,8 +4,10 @@ Two phases, both resumable:
 
 1. **Features.** The frozen target runs once over ``windows`` random training windows
    of ``seq_len`` tokens; their final-norm hidden states are cached to disk (bfloat16,
-   in chunks of :data:`CHUNK` windows, ``features/chunk-NNNN.safetensors``). On a CPU
-   this is the expensive part, and every epoch reuses it.
+   in chunks of :data:`CHUNK` windows, ``features/chunk-NNNN.safetensors``), and with
+   ``fused_layers`` (EAGLE-3's fused features) the outputs of those decoder layers
+   beside them (``layers``). On a CPU this is the expensive part, and every epoch
+   reuses it.
    Beside them, ``targets-NNNN.safetensors`` holds the target's greedy next token at
    every position (its whole-vocabulary argmax after the contextual penalty).
 2. **The network**, EAGLE-3's way by default: ``depth`` draft levels unrolled as the
@@ -38,13 +40,15 @@ from pathlib import Path
 import attrs
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from tokenswift.drafters.feature_net import FeatureNet, draft_vocabulary, find_shipped_drafter
 from tokenswift.errors import TokenswiftError
 from tokenswift.machine import native_bfloat16
+from tokenswift.model.configs import text_config
 from tokenswift.tools.training import (
-    Corpus, FeatureCache, TrainingState, base_hidden, first_seen, greedy_tokens, lr_factor, penalize, sample_windows,
+    Corpus, FeatureCache, TrainingState, base_features, first_seen, greedy_tokens, lr_factor, penalize, sample_windows,
 )
 
 logger = logging.getLogger(__name__)
@@ -88,52 +92,77 @@ class DrafterTrainConfig:
     # Start from a trained network (a directory from train-drafter, or "shipped": the one
     # shipped for the model) instead of a fresh one; its draft vocabulary is kept.
     init: str | None = None
+    # Inner decoder layers fused with the final-norm state (EAGLE-3; transformers'
+    # hidden_states numbering); (): those of --init, or none.
+    fused_layers: tuple[int, ...] = attrs.field(default=(), converter=tuple)
 
 
 # -- phase 1: the target's features ---------------------------------------------------
 
 
 def cache_features(
-    model, corpus: Corpus, directory: str | os.PathLike, config: DrafterTrainConfig, progress: Callable[[int], None] | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cached windows [windows, seq_len] and features [windows, seq_len, hidden]
-    (bfloat16), computing the chunks that are missing. Chunk i holds the windows drawn
-    with seed ``config.seed * 1000 + i``, so an interrupted run continues exactly."""
+    model,
+    corpus: Corpus,
+    directory: str | os.PathLike,
+    config: DrafterTrainConfig,
+    progress: Callable[[int], None] | None = None,
+    layers: tuple[int, ...] = (),
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The cached windows [windows, seq_len], final-norm features [windows, seq_len, H]
+    and, with ``layers``, those decoder layers' outputs [windows, seq_len, len(layers) * H]
+    (bfloat16; else None), computing the chunks that are missing. Chunk i holds the
+    windows drawn with seed ``config.seed * 1000 + i``, so an interrupted run continues
+    exactly; a chunk made without the layers asked for is computed again."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     device = next(model.parameters()).device
     chunks = math.ceil(config.windows / CHUNK)
-    tokens, features = [], []
+    tokens, features, states = [], [], []
     for i in range(chunks):
         path = directory / f"chunk-{i:04d}.safetensors"
         count = min(CHUNK, config.windows - i * CHUNK)
-        stored = _read_chunk(path, count, config.seq_len)
+        stored = _read_chunk(path, count, config.seq_len, layers)
         if stored is None:
             generator = torch.Generator().manual_seed(config.seed * 1000 + i)
             windows = sample_windows(corpus.train, count, config.seq_len, generator)
-            hidden = base_hidden(model, windows.to(device)).to("cpu", torch.bfloat16)
+            hidden, inner = base_features(model, windows.to(device), layers)
+            stored = (windows, hidden.to("cpu", torch.bfloat16), None if inner is None else inner.to("cpu", torch.bfloat16))
+            tensors = {"tokens": windows.contiguous(), "features": stored[1].contiguous()}
+            if inner is not None:
+                tensors["layers"] = stored[2].contiguous()
             tmp = path.with_suffix(".tmp")
-            save_file({"tokens": windows.contiguous(), "features": hidden.contiguous()}, tmp)
+            save_file(tensors, tmp, metadata={"layers": json.dumps(list(layers))})
             os.replace(tmp, path)  # atomic: a killed run never leaves half a chunk
-            stored = (windows, hidden)
         tokens.append(stored[0])
         features.append(stored[1])
+        states.append(stored[2])
         if progress is not None:
             progress(i + 1)
-    return torch.cat(tokens), torch.cat(features)
+    return torch.cat(tokens), torch.cat(features), torch.cat(states) if layers else None
 
 
-def _read_chunk(path: Path, count: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _read_chunk(
+    path: Path, count: int, seq_len: int, layers: tuple[int, ...] = ()
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """A stored chunk (tokens, features, layers' outputs or None); None where it must
+    be computed (missing, unreadable, or without the ``layers`` asked for)."""
     if not path.is_file():
         return None
     try:
         data = load_file(path)
+        with safe_open(path, "pt") as handle:
+            stored_layers = tuple(json.loads((handle.metadata() or {}).get("layers", "[]")))
     except Exception:  # a foreign or damaged file: compute it again
         logger.warning("recomputing the unreadable feature chunk %s", path)
         return None
     if tuple(data["tokens"].shape) != (count, seq_len):
         raise TokenswiftError(f"{path} holds windows of another shape {tuple(data['tokens'].shape)}; use a new --features folder")
-    return data["tokens"], data["features"]
+    if not layers:
+        return data["tokens"], data["features"], None
+    if stored_layers != layers:
+        logger.info("%s holds layers %s, not %s: computing it again", path.name, list(stored_layers), list(layers))
+        return None
+    return data["tokens"], data["features"], data["layers"]
 
 
 def cache_targets(
@@ -214,8 +243,10 @@ def evaluate(net: FeatureNet, model, tokens: torch.Tensor, config: DrafterTrainC
     batches = math.ceil(config.eval_windows / config.batch)
     for _ in range(batches):
         windows = sample_windows(tokens, config.batch, config.seq_len, generator).to(device)
-        features = base_hidden(model, windows).float()
-        outputs = net.unrolled(embed, features, windows, config.eval_depth)
+        features, inner = base_features(model, windows, net.config.fused_layers)
+        features = features.float()
+        inputs = features if inner is None else torch.cat([inner.float(), features], -1)
+        outputs = net.unrolled(embed, inputs, windows, config.eval_depth)
         t = windows.shape[1]
         usable = t - config.eval_depth
         positions = torch.arange(usable, device=device)
@@ -265,10 +296,6 @@ def train_drafter(
     checkpoint_path = out_dir / CHECKPOINT
     if resume and not checkpoint_path.is_file():
         raise TokenswiftError(f"--resume: no checkpoint at {checkpoint_path}")
-    started_features = time.perf_counter()
-    windows, features = cache_features(model, corpus, features_dir or out_dir / "features", config, feature_progress)
-    feature_seconds = time.perf_counter() - started_features
-
     vocab_size = model.get_output_embeddings().weight.shape[0]
     if config.init is None:
         draft_tokens, coverage = draft_vocabulary(corpus.train, vocab_size, config.draft_vocab)
@@ -281,6 +308,20 @@ def train_drafter(
         net = FeatureNet.from_pretrained(source, model).float()
         counts = torch.bincount(corpus.train, minlength=vocab_size)
         coverage = float(counts[net.draft_tokens].sum() / counts.sum())
+    if config.fused_layers:
+        layers = text_config(model).num_hidden_layers
+        if not all(1 <= k < layers for k in config.fused_layers):
+            raise TokenswiftError(f"fused layers {list(config.fused_layers)}: this model's inner layers are 1..{layers - 1}")
+        try:
+            net = net.with_fused_layers(config.fused_layers)
+        except ValueError as exc:
+            raise TokenswiftError(f"--init {config.init}: {exc}") from None
+    layers = net.config.fused_layers
+    started_features = time.perf_counter()
+    windows, features, inner = cache_features(
+        model, corpus, features_dir or out_dir / "features", config, feature_progress, layers
+    )
+    feature_seconds = time.perf_counter() - started_features
     net.train()
     optimizer = torch.optim.AdamW(net.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, config))
@@ -305,7 +346,8 @@ def train_drafter(
         batch = torch.randint(0, len(windows), (config.batch,), generator=generator)
         tokens = windows[batch].to(device)
         truth = features[batch].to(device, torch.float32)
-        noisy = truth + (torch.rand(truth.shape, generator=generator).to(device) * 2 - 1) * config.noise
+        inputs = truth if inner is None else torch.cat([inner[batch].to(device, torch.float32), truth], -1)
+        noisy = inputs + (torch.rand(inputs.shape, generator=generator).to(device) * 2 - 1) * config.noise
         if config.positions and config.positions < usable:
             positions = torch.randperm(usable, generator=generator)[: config.positions].sort().values.to(device)
         else:
@@ -352,8 +394,8 @@ def train_drafter(
 
 def level_losses(net, embed, head, inputs, truth, tokens, depth, positions, seen=None, penalty=1.0, greedy=None, draft_index=None):
     """Per level: feature loss, soft next-token loss, hard (greedy-token) loss, top-1
-    agreement with the target's greedy token. inputs: [B, T, H] float32 level-1 features
-    (noise added); truth: [B, T, H] the true features; head: [V', H] the draft
+    agreement with the target's greedy token. inputs: [B, T, F] float32 level-1 features
+    (the network's ``feature_size``; noise added); truth: [B, T, H] the true final-norm features; head: [V', H] the draft
     vocabulary's LM-head rows; positions: [P] indices whose next-token losses are taken
     (each < T - depth); seen: [B, V'] long, where each draft-vocabulary token first
     occurs (:func:`first_seen`, for the penalty); greedy: [B, T] the target's greedy

@@ -37,11 +37,12 @@ class InterleavedResult:
 
 def prefill_once(pipelines: dict, prompt: list[int], capacity: int) -> PrefilledPrompt:
     """Prefill ``prompt`` once, in the first pipeline's runner (sized for the runs), with
-    the prompt features the most demanding drafter wants."""
+    the prompt features the most demanding drafter wants (of every layer any reads)."""
     first = next(iter(pipelines.values()))
     wanted = max(max(1, pipe.drafter.prompt_features) for pipe in pipelines.values())
+    layers = tuple(sorted({k for pipe in pipelines.values() for k in pipe.drafter.feature_layers}))
     first.runner.allocate(capacity)
-    return first.runner.prefill_prompt(prompt, keep_hidden=wanted)
+    return first.runner.prefill_prompt(prompt, keep_hidden=wanted, layers=layers)
 
 
 def run_interleaved(

@@ -150,6 +150,18 @@ def base_hidden(model, windows: torch.Tensor) -> torch.Tensor:
     return model.get_decoder()(input_ids=windows, use_cache=False).last_hidden_state
 
 
+@torch.no_grad()
+def base_features(model, windows: torch.Tensor, layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[B, T] ids -> the frozen model's final-norm hidden states [B, T, H] and the
+    outputs of decoder ``layers`` (transformers' ``hidden_states[k]``) side by side,
+    [B, T, len(layers) * H] (None without layers): the parts of
+    :func:`tokenswift.model.runner.features`."""
+    if not layers:
+        return base_hidden(model, windows), None
+    out = model.get_decoder()(input_ids=windows, use_cache=False, output_hidden_states=True)
+    return out.last_hidden_state, torch.cat([out.hidden_states[k] for k in layers], -1)
+
+
 # -- the target's processed next-token distribution (shared with drafter training) --
 
 
