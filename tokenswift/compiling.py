@@ -202,6 +202,27 @@ def decide(runner, choice: str | bool, *, prompt_tokens: int, new_tokens: int) -
     return CompileDecision(compiled=runner.compiled is not None, calibration=calibration)
 
 
+def compile_trees_now(runner, choice: str | bool = True) -> float:
+    """Compile the tree sizes a run with ``choice`` would compile (:func:`tree_sizes`)
+    now, outside any run (a benchmark before its timed turns); the seconds it took.
+    Leaves the runner's compile settings as they were and its store empty."""
+    saved = runner.compiled, runner.compiled_tree_sizes
+    compiled = runner.use_compiled(True)
+    sizes = tree_sizes(runner, choice, load_compile_calibration(runner))
+    before = compiled.compile_seconds
+    try:
+        runner.use_compiled_trees(sizes)
+        runner.allocate(max((1, *sizes)) + 8)
+        for size in sizes:
+            if not compiled.has_tree_graph(size):
+                tree_step(runner, 8, size)()
+    finally:
+        runner.use_compiled(saved[0] is not None)
+        runner.use_compiled_trees(saved[1])
+        runner.store.reset()
+    return compiled.compile_seconds - before
+
+
 def tree_sizes(runner, choice: str | bool, calibration: CompileCalibration | None) -> tuple[int, ...]:
     """The padded tree sizes whose verify forwards run compiled while one-token
     forwards do: those the calibration measured faster compiled (``true`` without a

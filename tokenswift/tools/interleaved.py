@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 
 import attrs
 
+from tokenswift.compiling import compile_trees_now
 from tokenswift.model.runner import PrefilledPrompt
 from tokenswift.stats import StatsCollector
 from tokenswift.tools.bench import preset_pipeline
@@ -123,10 +124,13 @@ def same_compile_ar(label: str, variants: dict[str, tuple[str, bool | str]]) -> 
     return f"ar{SUFFIXES[variants[label][1]]}"
 
 
-def compile_model_once(model, tokenizer) -> float:
-    """Compile ``model``'s one-token forward now (outside any timed turn); the seconds."""
+def compile_model_once(model, tokenizer, trees: bool = False) -> float:
+    """Compile ``model``'s one-token forward now (outside any timed turn), and with
+    ``trees`` the tree sizes compiled runs use (:func:`~tokenswift.compiling.compile_trees_now`);
+    the seconds."""
     pipe = preset_pipeline("ar", model, tokenizer, overrides={"model": {"compile": True}})
-    return pipe.generate([0, 1, 2, 3], 2, seed=0, ignore_eos=True).stats.compile_seconds
+    seconds = pipe.generate([0, 1, 2, 3], 2, seed=0, ignore_eos=True).stats.compile_seconds
+    return seconds + (compile_trees_now(pipe.runner) if trees else 0.0)
 
 
 def compare_presets(
@@ -151,7 +155,8 @@ def compare_presets(
     (``ratio_to_ar_compiled``), and what compiling took."""
     variants = variant_names(presets, compile, compiled_baseline)
     compiles = any(choice is not False for _, choice in variants.values())
-    compile_seconds = compile_model_once(model, tokenizer) if compiles else None
+    speculative = any(choice is not False and preset != "ar" for preset, choice in variants.values())
+    compile_seconds = compile_model_once(model, tokenizer, trees=speculative) if compiles else None
     overrides = {"sampling": {"greedy": True}} if greedy else {}
     totals = {name: {"tokens": 0, "seconds": 0.0, "steps_tokens": []} for name in variants}
     per_seed = []
@@ -209,7 +214,10 @@ def markdown(report: dict) -> str:
                      f"{verified:.2f} / {proposed:.2f} | {guess} |")
     notes = []
     if report.get("compile_seconds") is not None:
-        notes.append(f"Compiling the one-token forward took {report['compile_seconds']:.1f} s (once per process, before the timed turns).")
+        notes.append(
+            f"Compiling the one-token forward (and the tree sizes compiled presets use) took "
+            f"{report['compile_seconds']:.1f} s (once per process, before the timed turns)."
+        )
     if report.get("roofline") is not None:
         roof = report["roofline"]
         speeds = ", ".join(f"`{name}` {row['ms_per_token']:.1f} ms ({row['fraction']:.0%} of the floor)" for name, row in roof["ar"].items())
