@@ -137,13 +137,11 @@ class CompiledForward:
         self._graphs = {
             "forward": torch.compile(_own_code(forward), dynamic=False, fullgraph=True, options=options),
             "logits": torch.compile(_own_code(logits), dynamic=False, fullgraph=True, options=options),
-            # Trees: "freezing" makes the weights constants of the graph, so inductor
-            # packs them once for oneDNN (AMX tiles where the CPU has them) instead of
-            # reordering them at every product; measured on Sapphire Rapids (bfloat16,
-            # 2K positions): 16 tokens 41.6 ms frozen vs 48.0 not. The one-token graph
-            # stays unfrozen: frozen, its float32 reductions would read float32 copies
-            # of the weights (38.4 vs 24.8 ms).
-            "tree": torch.compile(_own_code(forward), dynamic=False, fullgraph=True, options={**options, "freezing": True}),
+            # Trees: the same forward, a graph per padded size. (Inductor's "freezing",
+            # weights packed once for oneDNN, measured no clear gain on Sapphire Rapids:
+            # 4 / 8 / 16 / 32 tokens 43.1 / 46.5 / 51.7 / 60.3 ms frozen against 40.1 /
+            # 48.5 / 48.0 / 68.9 not, single runs, bfloat16, 2K positions.)
+            "tree": torch.compile(_own_code(forward), dynamic=False, fullgraph=True, options=options),
         }
         self._ready: set[tuple[str, int]] = set()  # (graph, new tokens) compiled
         self.compile_seconds = 0.0  # what compiling the graphs took (first calls)
