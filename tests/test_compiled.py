@@ -336,3 +336,12 @@ def test_trees_compile_at_the_sizes_that_pay():
     assert tree_sizes(Compiled, True, measured) == ()
     with pytest.raises(ValueError, match="sizes must be >= 2"):
         Runner(tiny_model_for("llama-gqa", "float32")).use_compiled_trees((1, 4))
+
+
+def test_prompt_chunks_never_run_through_tree_graphs():
+    runner = Runner(tiny_model_for("qwen2", "float32"))
+    runner.use_compiled(True)
+    runner.use_compiled_trees((4,))
+    runner.allocate(16)
+    runner.prefill(torch.tensor([5, 6, 7]))  # a 3-token chunk: eager, whatever sizes compile for trees
+    assert runner.committed_length == 3 and not runner.compiled.has_tree_graph(4)

@@ -63,7 +63,7 @@ def add_arguments(parser) -> None:
         help="start from this trained network (a train-drafter directory, or 'shipped') instead of a fresh one",
     )
     parser.add_argument(
-        "--fused-layers", type=int, nargs="+", default=list(default["fused_layers"]), metavar="K",
+        "--fused-layers", type=int, nargs="+", default=default["fused_layers"], metavar="K",
         help="EAGLE-3's fused features: also read the outputs of these decoder layers (1-based, e.g. 2 15), "
         "fused with the final-norm state; default: those of --init, or none",
     )

@@ -299,6 +299,7 @@ class Runner:
         logits_rows: torch.Tensor | slice | None = slice(None),
         record_attention: bool = False,
         layers: tuple[int, ...] = (),
+        compiled_tree: bool = True,
     ) -> ForwardOutput:
         """Forward new tokens over the committed KV (``view=None``: all of it, the new
         tokens staged for :meth:`commit`) or over a drafting ``view`` of it.
@@ -308,7 +309,9 @@ class Runner:
         logits_rows: which rows get logits (index tensor or slice); None for none.
         layers: decoder layers whose outputs the result's ``features`` hold
         (transformers' ``hidden_states`` numbering: k = the output of the k-th layer,
-        1 <= k < num_layers); such forwards run eagerly.
+        1 <= k < num_layers); such forwards run eagerly. compiled_tree: a verify
+        forward of several tokens may run compiled (:meth:`use_compiled_trees`);
+        prompt chunks pass False.
         """
         store = self._require_store()
         tokens = tokens.to(device=self.device, dtype=torch.long)
@@ -322,7 +325,7 @@ class Runner:
         tree_mask = tree_mask.to(self.device, torch.bool)
         recorder = AttentionRecorder() if record_attention else None
         plan = ForwardPlan(view=view, tree_mask=tree_mask, recorder=recorder)
-        size = None if layers else self.compiled_size(n)
+        size = None if layers or (n > 1 and not compiled_tree) else self.compiled_size(n)
         if size is not None and n > 1 and (
             recorder is not None or not isinstance(view, Staging) or store.length + size > store.capacity
         ):
@@ -444,7 +447,7 @@ class Runner:
         with self._prefilling():
             for start in range(0, int(tokens.numel()), chunk_size):
                 chunk = tokens[start : start + chunk_size]
-                out = self.forward(chunk, logits_rows=None, layers=layers)
+                out = self.forward(chunk, logits_rows=None, layers=layers, compiled_tree=False)
                 self.commit(torch.arange(chunk.numel()))
                 tail = out.features[-keep_hidden:].to(self.dtype)
                 kept = tail if kept is None else torch.cat([kept, tail])[-keep_hidden:]
