@@ -345,3 +345,13 @@ def test_prompt_chunks_never_run_through_tree_graphs():
     runner.allocate(16)
     runner.prefill(torch.tensor([5, 6, 7]))  # a 3-token chunk: eager, whatever sizes compile for trees
     assert runner.committed_length == 3 and not runner.compiled.has_tree_graph(4)
+
+
+def test_a_compile_calibration_of_the_first_format_still_loads_without_trees():
+    from tokenswift.compiling import CompileCalibration
+
+    old = {"format": "tokenswift-compile-calibration/1", "key": "k", "machine": "m", "contexts": [256, 2048],
+           "eager_ms": [40.0, 45.0], "compiled_ms": [25.0, 28.0], "compile_seconds": 9.0}
+    loaded = CompileCalibration.from_dict(old)
+    assert loaded.factor(2048) == pytest.approx(28.0 / 45.0)
+    assert loaded.tree_sizes == () and loaded.paying_tree_sizes == () and loaded.tree_saving_seconds(4) is None

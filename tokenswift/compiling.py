@@ -63,6 +63,14 @@ class CompileCalibration(CachedRecord):
     tree_compiled_ms: tuple[float, ...] = ()
     tree_compile_seconds: float = 0.0  # what compiling every tree size took
 
+    @classmethod
+    def from_dict(cls, data: dict) -> CompileCalibration:
+        """Also a record of the first format (one-token steps only): its trees count
+        as not measured, so ``auto`` compiles none until ``calibrate --compile``."""
+        if data.get("format") == "tokenswift-compile-calibration/1":
+            data = {**data, "format": cls.FORMAT, "tree_sizes": [], "tree_eager_ms": [], "tree_compiled_ms": []}
+        return super().from_dict(data)
+
     def tree_saving_seconds(self, size: int) -> float | None:
         """Seconds a compiled verify forward of ``size`` tokens saves over an eager one
         (negative: it loses; None: not measured)."""
