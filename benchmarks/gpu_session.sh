@@ -6,9 +6,10 @@
 #   MODEL=/path/SmolLM2-135M-Instruct.Q4_1.gguf DATA=/path/pg_books.jsonl \
 #   WHEELS=dir-with-transformers-and-gguf-wheels OUT=results-dir bash benchmarks/gpu_session.sh
 #
-# Everything lands in $OUT (at most 10 files): session.log, forward_cost.md,
+# Everything lands in $OUT (at most 13 files): session.log, forward_cost.md,
 # forward_cost_compiled.md, interleaved.json/.md (eager vs compiled), bench.json/.md/.png,
-# heads.safetensors and training.json.
+# heads.safetensors and training.json; trees/: the compile calibration with tree sizes
+# (calibrate.md) and eagle vs ar with compiled trees (interleaved.json/.md).
 set -u
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENSWIFT_CACHE=/tmp/tokenswift-cache
 DEVICE=${DEVICE:-cuda}
@@ -46,6 +47,15 @@ say "ar and tokenswift, eager vs compiled, in turns on cuda"
 timeout $(( $(left) < 120 ? $(left) : 120 )) python3 -m tokenswift bench --interleaved --methods ar,tokenswift --compile both \
     --model "$MODEL" --device "$DEVICE" --prompt-tokens 2048 --new-tokens 512 --seeds 0 --out "$OUT" >>"$LOG" 2>&1
 say "compiled bench exit $?"
+
+say "compiled tree verify forwards on cuda (issue 27): eagle vs ar, compiled, in turns"
+mkdir -p "$OUT/trees"
+timeout $(( $(left) < 150 ? $(left) : 150 )) python3 -m tokenswift calibrate --model "$MODEL" --device "$DEVICE" --compile \
+    >"$OUT/trees/calibrate.md" 2>>"$LOG"
+say "compile calibration (trees) exit $?"
+timeout $(( $(left) < 120 ? $(left) : 120 )) python3 -m tokenswift bench --interleaved --methods ar,eagle --compile on --greedy \
+    --model "$MODEL" --device "$DEVICE" --prompt-tokens 2048 --new-tokens 512 --seeds 0 --out "$OUT/trees" >>"$LOG" 2>&1
+say "compiled-trees bench exit $?"
 
 say "forward costs on cuda"
 timeout $(( $(left) < 50 ? $(left) : 50 )) python3 benchmarks/forward_cost.py --model "$MODEL" --device "$DEVICE" \
