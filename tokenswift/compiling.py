@@ -115,37 +115,31 @@ def measure_compile(runner, *, repeats: int = 5, tree_sizes: tuple[int, ...] = T
     contexts = measured_contexts(runner, COMPILE_CONTEXTS)
     runner.allocate(max(contexts) + max((1, *tree_sizes)) + 1)
     compiled = runner.use_compiled(True)
-    before = compiled.compile_seconds
-    try:
-        one_token_step(runner, contexts[0])()  # compiles both graphs (unless done before)
+
+    def compile_now(step) -> float:
+        """Run ``step`` compiled once (compiling its graphs unless done before); the seconds compiling took."""
+        before = compiled.compile_seconds
+        runner.use_compiled(True)
+        step()
         if runner.compiled is None:  # the compile failed and the runner fell back: nothing to compare
             raise compiled.failure or CompileUnavailable("torch.compile failed")
-        compile_seconds = compiled.compile_seconds - before
-        eager_ms, compiled_ms = [], []
-        for context in contexts:
-            step = one_token_step(runner, context)
-            ms = interleaved_ms(
-                {"eager": (lambda: runner.use_compiled(False), step), "compiled": (lambda: runner.use_compiled(True), step)},
-                repeats,
-            )
-            eager_ms.append(round(ms["eager"], 3))
-            compiled_ms.append(round(ms["compiled"], 3))
-        tree_eager_ms, tree_compiled_ms, tree_compile_seconds = [], [], 0.0
+        return compiled.compile_seconds - before
+
+    def eager_vs_compiled(step) -> tuple[float, float]:
+        ms = interleaved_ms(
+            {"eager": (lambda: runner.use_compiled(False), step), "compiled": (lambda: runner.use_compiled(True), step)},
+            repeats,
+        )
+        return round(ms["eager"], 3), round(ms["compiled"], 3)
+
+    try:
+        compile_seconds = compile_now(one_token_step(runner, contexts[0]))
+        eager_ms, compiled_ms = zip(*(eager_vs_compiled(one_token_step(runner, context)) for context in contexts))
         runner.use_compiled_trees(tree_sizes)
-        for size in tree_sizes:
-            step = tree_step(runner, contexts[-1], size)
-            before = compiled.compile_seconds
-            runner.use_compiled(True)
-            step()  # compiles this size
-            if runner.compiled is None:
-                raise compiled.failure or CompileUnavailable("torch.compile failed")
-            tree_compile_seconds += compiled.compile_seconds - before
-            ms = interleaved_ms(
-                {"eager": (lambda: runner.use_compiled(False), step), "compiled": (lambda: runner.use_compiled(True), step)},
-                repeats,
-            )
-            tree_eager_ms.append(round(ms["eager"], 3))
-            tree_compiled_ms.append(round(ms["compiled"], 3))
+        tree_steps = [tree_step(runner, contexts[-1], size) for size in tree_sizes]
+        tree_compile_seconds = sum(compile_now(step) for step in tree_steps)
+        tree_ms = [eager_vs_compiled(step) for step in tree_steps]
+        tree_eager_ms, tree_compiled_ms = (tuple(m[0] for m in tree_ms), tuple(m[1] for m in tree_ms))
     finally:
         runner.use_compiled(False)
         runner.use_compiled_trees(())

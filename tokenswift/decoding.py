@@ -201,8 +201,7 @@ class Generation:
             if hidden is not None and kept < min(max(1, wanted), prefilled.positions):
                 raise ValueError(f"prefill: the drafter wants {wanted} prompt features, the prefilled prompt kept {kept}")
             hidden = None if hidden is None else select_features(hidden[-max(1, wanted):], prefilled.layers, layers)
-        # the final-norm state is the features' last block
-        self.parent_hidden = None if hidden is None else hidden[-1, -runner.lm_head.weight.shape[1]:]
+        self.parent_hidden = None if hidden is None else select_features(hidden[-1], layers, ())  # the final-norm state
         for component in setup.components:
             component.start(self.state)
         if wanted:

@@ -309,9 +309,9 @@ def train_drafter(
         counts = torch.bincount(corpus.train, minlength=vocab_size)
         coverage = float(counts[net.draft_tokens].sum() / counts.sum())
     if config.fused_layers:
-        layers = text_config(model).num_hidden_layers
-        if not all(1 <= k < layers for k in config.fused_layers):
-            raise TokenswiftError(f"fused layers {list(config.fused_layers)}: this model's inner layers are 1..{layers - 1}")
+        count = text_config(model).num_hidden_layers
+        if not all(1 <= k < count for k in config.fused_layers):
+            raise TokenswiftError(f"fused layers {list(config.fused_layers)}: this model's inner layers are 1..{count - 1}")
         try:
             net = net.with_fused_layers(config.fused_layers)
         except ValueError as exc:
