@@ -109,3 +109,58 @@ def test_tokenswift_depth_one_is_always_right_with_a_full_cache_under_greedy():
     result = assert_lossless(pipe, [3, 1, 4, 1, 5, 9, 2, 6], 40)
     assert min(result.stats.tokens_per_step_histogram) >= 2 or result.stats.steps == 1
     assert result.stats.acceptance_rate > 0.25
+
+
+@pytest.fixture(scope="module")
+def fused_eagle(tmp_path_factory):
+    """An eagle network that fuses the inner layer's output with the final-norm state
+    (random, decisive weights), for the tiny float64 llama-gqa model."""
+    import torch
+
+    from tokenswift.drafters.feature_net import FeatureNet
+
+    model = tiny_model_for("llama-gqa", "float64")
+    net = FeatureNet.for_model(model).initialise(seed=5, std=0.3).with_fused_layers((1,))
+    with torch.no_grad():
+        net.reduce.weight.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(6))
+    directory = tmp_path_factory.mktemp("fused-eagle")
+    net.save_pretrained(directory)
+    return str(directory)
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    retriever=st.sampled_from(sorted(RETRIEVERS)),
+    sampling=st.sampled_from(SAMPLINGS),
+    tree=st.sampled_from(["auto", "fixed"]),
+    prompt=prompts(),
+    seed=st.integers(0, 2**31),
+)
+def test_an_eagle_drafter_on_fused_features_is_lossless(fused_eagle, retriever, sampling, tree, prompt, seed):
+    spec = {
+        "preset": "eagle", "drafter": {"weights": fused_eagle, "threshold": 0.0}, "retriever": RETRIEVERS[retriever],
+        "sampling": sampling, "speculation": {"tree": tree},
+    }
+    assert_lossless(Pipeline.from_spec(spec, tiny_model_for("llama-gqa", "float64")), prompt, 24, seed=seed)
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    preset=st.sampled_from(["eagle", "medusa", "prompt-lookup"]),
+    sampling=st.sampled_from(SAMPLINGS),
+    prompt=prompts(),
+    seed=st.integers(0, 2**31),
+)
+def test_compiled_tree_verify_forwards_are_lossless(preset, sampling, prompt, seed):
+    """compile = true: one-token forwards and trees (padded to 4/8/16/32) compiled."""
+    from tokenswift.model.compiled import compiler_problem
+    import torch
+
+    if compiler_problem(torch.device("cpu")) is not None:
+        pytest.skip("no C++ compiler for inductor")
+    drafter = {"eagle": {"weights": "random"}, "medusa": {"heads": "random"}}.get(preset)
+    spec = {"preset": preset, "model": {"compile": True}, "sampling": sampling, "speculation": {"tree": "fixed"},
+            **({"drafter": drafter} if drafter else {})}
+    pipe = Pipeline.from_spec(spec, tiny_model_for("llama-gqa", "float32"))
+    assert_lossless(pipe, prompt, 24, seed=seed)
+    assert pipe.runner.compiled_tree_sizes
