@@ -143,7 +143,7 @@ def test_a_failing_compile_falls_back_to_eager_at_the_first_forward(monkeypatch,
         raise RuntimeError("inductor exploded (test)")
 
     broken._graphs = {"forward": fail, "logits": fail}
-    monkeypatch.setitem(compiled_module._COMPILED, model, broken)
+    monkeypatch.setitem(compiled_module._COMPILED, model, {False: broken})
     with caplog.at_level(logging.WARNING, logger="tokenswift"):
         result = Pipeline.from_spec("ar", model, overrides={"model": {"compile": True}}).generate([1, 2, 3], 8, seed=0)
     assert result.tokens == eager.tokens
@@ -160,7 +160,7 @@ def test_a_compile_failing_at_the_first_forward_leaves_the_cost_model_predicting
         raise RuntimeError("inductor exploded (test)")
 
     broken._graphs = {"forward": fail, "logits": fail}
-    monkeypatch.setitem(compiled_module._COMPILED, model, broken)
+    monkeypatch.setitem(compiled_module._COMPILED, model, {False: broken})
     pipe = Pipeline.from_spec("ar", model, overrides={"model": {"compile": True}})
     # A measured comparison on file: compiled one-token steps at half the eager cost.
     CompileCalibration(

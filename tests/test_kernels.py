@@ -123,8 +123,8 @@ def test_no_compiler_means_one_warning_and_pytorchs_path(monkeypatch, tmp_path, 
         with caplog.at_level(logging.WARNING, logger="tokenswift.kernels"):
             assert not kernels.available() and not kernels.available()
         assert [r.getMessage() for r in caplog.records].count(
-            "tokenswift's CPU attention kernel could not be built (Ninja is required to load C++ extensions); "
-            "using PyTorch's attention") == 1
+            "tokenswift's CPU kernels could not be built (Ninja is required to load C++ extensions); "
+            "using PyTorch's attention and products") == 1
         query = torch.randn(1, 4, 1, 8, dtype=torch.float64)
         key = torch.randn(1, 2, 5, 8, dtype=torch.float64)
         assert not kernels.serves(query, key, key)

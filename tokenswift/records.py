@@ -64,6 +64,8 @@ def machine_key(runner) -> str:
         "format": CALIBRATION_FORMAT,
         # which attention decode steps run through: measurements of one are no guide to the other
         "attention": attention_path(runner.device),
+        # and which products: tokenswift's few-rows kernel or PyTorch's
+        "linears": "kernel" if getattr(runner, "kernel_linears", False) else "pytorch",
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 

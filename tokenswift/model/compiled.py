@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from tokenswift.model.linear import KernelLinears
 from tokenswift.model.plan import EXTERNAL_KV_KWARG
 from tokenswift.paths import cache_dir
 
@@ -99,7 +100,10 @@ class CompiledForward:
     """The compiled one-token forward and LM-head row of one model (shared by every
     runner of the model: :meth:`for_model`). Compiles on first call."""
 
-    def __init__(self, model: torch.nn.Module, decoder: torch.nn.Module, lm_head: torch.nn.Module, logits_dtype: torch.dtype) -> None:
+    def __init__(
+        self, model: torch.nn.Module, decoder: torch.nn.Module, lm_head: torch.nn.Module, logits_dtype: torch.dtype,
+        kernel_linears: bool = False,
+    ) -> None:
         device = next(model.parameters()).device
         problem = compiler_problem(device)
         if problem is not None:
@@ -107,11 +111,19 @@ class CompiledForward:
         use_inductor_cache()
         one_row = device.type == "cpu"
         mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
+        self.kernel_linears = kernel_linears
+
+        def products():
+            # kernel_linears: every product of a few rows is tokenswift's operator
+            # (tokenswift.model.linear.KernelLinears), an opaque call in the graph
+            if kernel_linears:
+                return KernelLinears()
+            return OneRowProducts() if one_row else contextlib.nullcontext()
 
         def forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
             # input_ids, positions: [1, n] long -> [n, hidden_size] final-norm hidden states
             # (one graph per n: one token, or a padded tree size)
-            with OneRowProducts() if one_row else contextlib.nullcontext():
+            with products():
                 out = decoder(
                     input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=False,
                     **{EXTERNAL_KV_KWARG: True},
@@ -120,7 +132,7 @@ class CompiledForward:
 
         def logits(hidden: torch.Tensor) -> torch.Tensor:
             # hidden: [1, hidden_size] -> [1, vocab] in logits_dtype
-            with OneRowProducts() if one_row else contextlib.nullcontext():
+            with products():
                 return lm_head(hidden).to(logits_dtype)
 
         options = {
@@ -149,17 +161,17 @@ class CompiledForward:
         self.device = device
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, decoder, lm_head, logits_dtype) -> CompiledForward:
-        compiled = _COMPILED.get(model)
+    def for_model(cls, model: torch.nn.Module, decoder, lm_head, logits_dtype, kernel_linears: bool = False) -> CompiledForward:
+        graphs = _COMPILED.setdefault(model, {})
+        compiled = graphs.get(kernel_linears)
         if compiled is None:
-            compiled = _COMPILED[model] = cls(model, decoder, lm_head, logits_dtype)
+            compiled = graphs[kernel_linears] = cls(model, decoder, lm_head, logits_dtype, kernel_linears)
         return compiled
 
     @classmethod
     def ready_for(cls, model: torch.nn.Module) -> bool:
         """``model``'s graphs are compiled in this process already."""
-        compiled = _COMPILED.get(model)
-        return compiled is not None and compiled.compiled
+        return any(compiled.compiled for compiled in _COMPILED.get(model, {}).values())
 
     @property
     def compiled(self) -> bool:
@@ -217,4 +229,4 @@ def _own_code(fn):
     return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
-_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> CompiledForward
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {kernel_linears: CompiledForward}

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from tokenswift import kernels
+
 logger = logging.getLogger(__name__)
 
 PACK_ROWS_HINT = 4  # oneDNN picks its blocking for this many rows; 1-8 rows measured fastest with 4
@@ -78,4 +80,22 @@ class PackedLinears(TorchFunctionMode):
             if entry is not None and entry[0] is weight:
                 bias = args[2] if len(args) > 2 else kwargs.get("bias")
                 return torch.ops.mkldnn._linear_pointwise(args[0], entry[1], bias, "none", [], "")
+        return func(*args, **kwargs)
+
+
+class KernelLinears(TorchFunctionMode):
+    """Runs ``F.linear`` of a few rows (:data:`tokenswift.kernels.MAX_LINEAR_ROWS`) through
+    :func:`tokenswift.kernels.few_rows_linear`: the weight read once for all rows, each
+    row's result independent of the others (a tree's rows equal one-token steps). Other
+    products, and every product while tracing for a compile, stay as they are unless the
+    kernel serves them (it is an operator the compiled graph calls)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x = args[0]
+            weight = args[1] if len(args) > 1 else kwargs.get("weight")
+            if kernels.linear_serves(x, weight):
+                bias = args[2] if len(args) > 2 else kwargs.get("bias")
+                return kernels.few_rows_linear(x, weight, bias)
         return func(*args, **kwargs)

@@ -22,13 +22,14 @@ import time
 import attrs
 import torch
 
+from tokenswift import kernels
 from tokenswift.distributed import tensor_parallel_size
 from tokenswift.model.attention import attending, register_attention
 from tokenswift.model.compiled import CompiledForward, CompileUnavailable
 from tokenswift.model.configs import text_config
 from tokenswift.model.hf_cache import StoreCache
 from tokenswift.model.kv import KVStore, KVView, Staging
-from tokenswift.model.linear import PackedLinears, packing_available
+from tokenswift.model.linear import KernelLinears, PackedLinears, packing_available
 from tokenswift.model.plan import PLAN_KWARG, AttentionRecorder, ForwardPlan
 
 logger = logging.getLogger(__name__)
@@ -140,6 +141,8 @@ class Runner:
         self.compiled: CompiledForward | None = None  # see use_compiled
         self.compiled_tree_sizes: tuple[int, ...] = ()  # see use_compiled_trees
         self.prefill_dtype = self.dtype  # see use_prefill_dtype
+        self.kernel_linears = False  # see use_kernel_linears
+        self.use_kernel_linears(self.tp_size == 1 and kernels.linears_by_default(self.dtype, self.device))
 
     # -- how products are computed -------------------------------------------------
 
@@ -159,6 +162,20 @@ class Runner:
         self.packed_from_rows = from_rows
         self.packed_lm_head = lm_head
 
+    def use_kernel_linears(self, on: bool) -> None:
+        """Run products of up to :data:`tokenswift.kernels.MAX_LINEAR_ROWS` rows (one-token
+        steps, trees, LM-head rows; eager and compiled) through tokenswift's few-rows
+        kernel (:class:`~tokenswift.model.linear.KernelLinears`) or not. The default is
+        :func:`tokenswift.kernels.linears_by_default`. Set it before :meth:`use_compiled`:
+        the compiled graphs are made for one setting."""
+        if on and not kernels.available():
+            raise ValueError("the few-rows linear kernel is not available here (see tokenswift.kernels)")
+        if on and self.tp_size != 1:
+            raise ValueError("the few-rows linear kernel is not supported under tensor parallelism")
+        self.kernel_linears = bool(on)
+        if self.compiled is not None and self.compiled.kernel_linears != self.kernel_linears:
+            self.use_compiled(True)
+
     def use_compiled(self, on: bool) -> CompiledForward | None:
         """Run one-token forwards and LM-head rows through the model's compiled graphs
         (:mod:`tokenswift.model.compiled`; compiled on first use) or not. Raises
@@ -166,7 +183,10 @@ class Runner:
         cannot run."""
         if on and self.tp_size != 1:
             raise CompileUnavailable("compiled forwards are not supported under tensor parallelism")
-        compiled = CompiledForward.for_model(self.model, self.decoder, self.lm_head, self.logits_dtype) if on else None
+        compiled = (
+            CompiledForward.for_model(self.model, self.decoder, self.lm_head, self.logits_dtype, self.kernel_linears)
+            if on else None
+        )
         if compiled is not None and compiled.failure is not None:  # failed before in this process: never again
             self.compiled = None
             raise compiled.failure
@@ -229,6 +249,8 @@ class Runner:
         """The context products of ``rows`` rows run in."""
         if self.packed_from_rows is not None and rows >= self.packed_from_rows:
             return self.packed_linears
+        if self.kernel_linears and rows <= kernels.MAX_LINEAR_ROWS:
+            return KernelLinears()
         return contextlib.nullcontext()
 
     @staticmethod
@@ -400,7 +422,7 @@ class Runner:
                 return self.compiled.logits(hidden)
             except CompileUnavailable as exc:
                 self._compile_failed(exc)
-        products = self.packed_linears if self.packed_lm_head else contextlib.nullcontext()
+        products = self.packed_linears if self.packed_lm_head else self._products(hidden.shape[0])
         with products:
             return self.lm_head(hidden).to(self.logits_dtype)
 
