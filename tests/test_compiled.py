@@ -355,3 +355,25 @@ def test_a_compile_calibration_of_the_first_format_still_loads_without_trees():
     loaded = CompileCalibration.from_dict(old)
     assert loaded.factor(2048) == pytest.approx(28.0 / 45.0)
     assert loaded.tree_sizes == () and loaded.paying_tree_sizes == () and loaded.tree_saving_seconds(4) is None
+
+
+def test_compiled_forwards_through_kernel_linears_equal_eager_ones():
+    """With tokenswift's few-rows kernel on, the compiled one-token and tree graphs call
+    it (an operator in the graph) and give what eager PyTorch products give."""
+    from tokenswift import kernels
+
+    if not kernels.available():
+        pytest.skip("the kernels cannot be built here")
+    model = tiny_model_for("llama-gqa", "float32")
+    eager = Runner(model)
+    compiled = Runner(model)
+    compiled.use_kernel_linears(True)
+    compiled.use_compiled(True)
+    compiled.use_compiled_trees((4, 8))
+    assert compiled.compiled.kernel_linears and compiled.compiled is not CompiledForward.for_model(
+        model, compiled.decoder, compiled.lm_head, compiled.logits_dtype)  # one set of graphs per setting
+    expected, got = tree_forwards(eager), tree_forwards(compiled)
+    for want, have in zip(expected[0], got[0]):
+        torch.testing.assert_close(have, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[1], expected[1], rtol=1e-4, atol=1e-4)
+    assert compiled.compiled.has_tree_graph(4) and compiled.compiled.has_tree_graph(8)

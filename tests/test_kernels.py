@@ -195,3 +195,74 @@ def test_measurements_are_keyed_by_the_attention_path(monkeypatch):
     assert with_kernel != without
     monkeypatch.setattr(kernels, "available", lambda: True)
     assert machine_key(runner) == with_kernel  # stable otherwise
+
+
+# -- the few-rows linear kernel ---------------------------------------------------------
+
+LINEAR_TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_features,in_features", [(576, 576), (192, 576), (96, 1536), (100, 576), (7, 13), (48, 64)])
+@pytest.mark.parametrize("rows", [1, 3, 9, 32])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_few_rows_linear_equals_linear(dtype, out_features, in_features, rows, with_bias):
+    """Against float64 F.linear: the AMX / AVX512-BF16 / AVX2 path this CPU builds, its
+    tails (out_features not a multiple of the block, in_features of the vector) and bias."""
+    generator = torch.Generator().manual_seed(out_features * 7 + in_features + rows)
+    weight = (torch.randn(out_features, in_features, generator=generator) * in_features**-0.5).to(dtype)
+    bias = torch.randn(out_features, generator=generator).to(dtype) if with_bias else None
+    x = torch.randn(rows, in_features, generator=generator).to(dtype)
+    got = kernels.few_rows_linear(x, weight, bias)
+    want = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    assert got.shape == (rows, out_features) and got.dtype == dtype
+    torch.testing.assert_close(got.double(), want, rtol=LINEAR_TOLERANCE[dtype], atol=LINEAR_TOLERANCE[dtype])
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_few_rows_linear_rows_do_not_depend_on_each_other(dtype):
+    """A tree's rows equal one-token steps bit for bit: each row alone gives what it
+    gives among 1, 4, 16 or 32 others."""
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(576, 576, generator=generator).to(dtype)
+    x = torch.randn(32, 576, generator=generator).to(dtype)
+    alone = torch.cat([kernels.few_rows_linear(x[i : i + 1], weight) for i in range(32)])
+    for rows in (2, 4, 16, 32):
+        assert torch.equal(kernels.few_rows_linear(x[:rows], weight), alone[:rows])
+
+
+@needs_kernel
+def test_runner_forwards_through_kernel_linears(monkeypatch):
+    """With the kernel on, a runner's one-token steps, trees and LM-head rows go through
+    it and give what PyTorch's products give (float32 rounding)."""
+    model = tiny_model_for("llama-gqa", "float32")
+    calls = []
+    original = kernels.few_rows_linear
+    monkeypatch.setattr(kernels, "few_rows_linear", lambda x, w, b=None: calls.append(x.shape[0]) or original(x, w, b))
+
+    def run(on):
+        runner = Runner(model)
+        runner.use_kernel_linears(on)
+        runner.allocate(64)
+        runner.prefill(torch.arange(1, 20))
+        tree = DraftTree.from_branches(7, [[9, 4], [5], [9, 2]])
+        out = runner.forward(tree.token_tensor(), tree_mask=tree.mask(), depths=tree.depth_tensor())
+        step = runner.forward(torch.tensor([3]), view=FullView(runner.store))
+        return out.logits, step.logits
+
+    reference = run(False)
+    assert not calls
+    got = run(True)
+    assert calls  # the tree's and the step's products, and their LM-head rows
+    for a, b in zip(got, reference):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)  # float32 rounding, as compiled forwards
+
+
+def test_linears_choice_is_checked(monkeypatch):
+    monkeypatch.setenv(kernels.LINEARS_ENV, "fast")
+    with pytest.raises(ValueError, match="TOKENSWIFT_LINEARS='fast': expected auto, kernel or torch"):
+        kernels.linears_by_default(torch.bfloat16, torch.device("cpu"))
+    monkeypatch.setenv(kernels.LINEARS_ENV, "torch")
+    assert not kernels.linears_by_default(torch.bfloat16, torch.device("cpu"))

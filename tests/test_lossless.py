@@ -164,3 +164,24 @@ def test_compiled_tree_verify_forwards_are_lossless(preset, sampling, prompt, se
     pipe = Pipeline.from_spec(spec, tiny_model_for("llama-gqa", "float32"))
     assert_lossless(pipe, prompt, 24, seed=seed)
     assert pipe.runner.compiled_tree_sizes
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    preset=st.sampled_from(["eagle", "medusa", "prompt-lookup", "tokenswift"]),
+    sampling=st.sampled_from(SAMPLINGS),
+    prompt=prompts(),
+    seed=st.integers(0, 2**31),
+)
+def test_kernel_linears_are_lossless(preset, sampling, prompt, seed):
+    """Products of a few rows through tokenswift's kernel (forced, whatever this CPU's
+    default): steps, trees, drafting passes and LM-head rows."""
+    from tokenswift import kernels
+
+    if not kernels.available():
+        pytest.skip("the kernels cannot be built here")
+    drafter = {"eagle": {"weights": "random"}, "medusa": {"heads": "random"}, "tokenswift": {"heads": "random"}}.get(preset)
+    spec = {"preset": preset, "sampling": sampling, "speculation": {"tree": "fixed"}, **({"drafter": drafter} if drafter else {})}
+    pipe = Pipeline.from_spec(spec, tiny_model_for("llama-gqa", "float32"))
+    pipe.runner.use_kernel_linears(True)
+    assert_lossless(pipe, prompt, 24, seed=seed)

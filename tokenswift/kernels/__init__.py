@@ -83,8 +83,14 @@ def _load() -> bool:
         logger.warning("tokenswift's CPU kernels could not be built (%s); using PyTorch's attention and products",
                        str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)
         return False
-    torch.library.register_fake("tokenswift_cpu::few_rows_linear")(_linear_shape)
+    global _fake_registered
+    if not _fake_registered:  # once per process, however often the build is looked up again
+        torch.library.register_fake("tokenswift_cpu::few_rows_linear")(_linear_shape)
+        _fake_registered = True
     return True
+
+
+_fake_registered = False
 
 
 def _linear_shape(x, weight, bias):

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from tokenswift.model.linear import KernelLinears
+from tokenswift.model.linear import KernelLinears, linear_arguments
 from tokenswift.model.plan import EXTERNAL_KV_KWARG
 from tokenswift.paths import cache_dir
 
@@ -62,9 +62,7 @@ class OneRowProducts(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear:
-            x = args[0]
-            weight = args[1] if len(args) > 1 else kwargs["weight"]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            x, weight, bias = linear_arguments(args, kwargs)
             if x.dim() >= 1 and x.numel() == x.shape[-1]:
                 wide = torch.float64 if x.dtype == torch.float64 else torch.float32
                 out = (x.reshape(1, -1).to(wide) * weight.to(wide)).sum(-1)  # [out_features]

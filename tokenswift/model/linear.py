@@ -38,6 +38,13 @@ def packing_available(dtype: torch.dtype, device: torch.device) -> bool:
     )
 
 
+def linear_arguments(args, kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(x, weight, bias)`` of an ``F.linear`` call, however they were passed."""
+    weight = args[1] if len(args) > 1 else kwargs["weight"]
+    bias = args[2] if len(args) > 2 else kwargs.get("bias")
+    return args[0], weight, bias
+
+
 _PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> PackedLinears
 
 
@@ -75,27 +82,24 @@ class PackedLinears(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear:
-            weight = args[1] if len(args) > 1 else kwargs.get("weight")
+            x, weight, bias = linear_arguments(args, kwargs)
             entry = self._packed.get(id(weight))
             if entry is not None and entry[0] is weight:
-                bias = args[2] if len(args) > 2 else kwargs.get("bias")
-                return torch.ops.mkldnn._linear_pointwise(args[0], entry[1], bias, "none", [], "")
+                return torch.ops.mkldnn._linear_pointwise(x, entry[1], bias, "none", [], "")
         return func(*args, **kwargs)
 
 
 class KernelLinears(TorchFunctionMode):
-    """Runs ``F.linear`` of a few rows (:data:`tokenswift.kernels.MAX_LINEAR_ROWS`) through
-    :func:`tokenswift.kernels.few_rows_linear`: the weight read once for all rows, each
-    row's result independent of the others (a tree's rows equal one-token steps). Other
-    products, and every product while tracing for a compile, stay as they are unless the
-    kernel serves them (it is an operator the compiled graph calls)."""
+    """Runs ``F.linear`` of a few rows (:data:`tokenswift.kernels.MAX_LINEAR_ROWS`), float32
+    or bfloat16, through :func:`tokenswift.kernels.few_rows_linear`: the weight read once
+    for all rows, each row's result independent of the others. Other products are left
+    alone. Active while a compiled forward is traced, it puts the kernel's operator in
+    the graph. Whoever turns it on checks that the kernels are available."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear:
-            x = args[0]
-            weight = args[1] if len(args) > 1 else kwargs.get("weight")
+            x, weight, bias = linear_arguments(args, kwargs)
             if kernels.linear_serves(x, weight):
-                bias = args[2] if len(args) > 2 else kwargs.get("bias")
                 return kernels.few_rows_linear(x, weight, bias)
         return func(*args, **kwargs)
