@@ -7,6 +7,10 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Converted demo models go to a per-session cache, not the user's.
 os.environ["TOKENSWIFT_CACHE"] = tempfile.mkdtemp(prefix="tokenswift-test-cache-")
+# The CPU kernels are built once (~40 s on two cores) into the user's kernel cache, keyed
+# by their source, torch and the CPU, and reused by every test and subprocess, including
+# those that point TOKENSWIFT_CACHE at a folder of their own.
+os.environ.setdefault("TOKENSWIFT_KERNEL_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "tokenswift", "kernels"))
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 

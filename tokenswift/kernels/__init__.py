@@ -14,7 +14,8 @@ independent of the others. Whether the model's products use it is
 
 The extension is compiled with ``torch.utils.cpp_extension`` for this CPU
 (``-march=native``) into ``$TOKENSWIFT_CACHE/kernels/<key>/``, the key naming the
-source, torch's version and the CPU, so a second run loads it in milliseconds. Where
+source, torch's version and the CPU, so a second run loads it in milliseconds
+(``$TOKENSWIFT_KERNEL_CACHE`` names another folder for the builds alone). Where
 it cannot be built (no compiler, no ninja) one warning is logged and :func:`available`
 is False: attention then takes the PyTorch path it always had. ``TOKENSWIFT_KERNELS=off``
 turns the kernels off.
@@ -38,6 +39,7 @@ logger = logging.getLogger(__name__)
 SOURCES = (Path(__file__).with_name("decode_attention.cpp"), Path(__file__).with_name("few_rows_linear.cpp"))
 ENV = "TOKENSWIFT_KERNELS"
 LINEARS_ENV = "TOKENSWIFT_LINEARS"  # auto (default), kernel (wherever it serves) or torch (never)
+CACHE_ENV = "TOKENSWIFT_KERNEL_CACHE"  # where builds go, if not $TOKENSWIFT_CACHE/kernels
 MARCH_ENV = "TOKENSWIFT_KERNELS_MARCH"  # -march for the build (default native); e.g. haswell to try the AVX2 path
 # New tokens per forward the kernel serves. Measured on a 2-core Sapphire Rapids (AMX),
 # kernel vs PyTorch's attention, 2K and 16K keys: 1 token 1.2-1.5x faster, 2 tokens
@@ -56,6 +58,12 @@ def march() -> str:
     return os.environ.get(MARCH_ENV, "native")
 
 
+def build_root() -> Path:
+    """The folder of the kernels' builds, one subfolder per :func:`build_key`."""
+    override = os.environ.get(CACHE_ENV, "").strip()
+    return Path(override) if override else cache_dir() / "kernels"
+
+
 def build_key() -> str:
     text = b"".join(source.read_bytes() for source in SOURCES) + torch.__version__.encode() + machine_name(torch.device("cpu")).encode() + march().encode()
     return hashlib.sha256(text).hexdigest()[:16]
@@ -68,11 +76,11 @@ def _load() -> bool:
     try:
         from torch.utils import cpp_extension
 
-        directory = cache_dir() / "kernels" / build_key()
+        directory = build_root() / build_key()
         directory.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(
             name=f"tokenswift_kernels_{build_key()}",
-            sources=[str(source) for source in SOURCES],
+            sources=[str(_staged(source, directory)) for source in SOURCES],
             extra_cflags=["-O3", f"-march={march()}", "-fopenmp", "-ffp-contract=fast"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(directory),
@@ -91,6 +99,19 @@ def _load() -> bool:
 
 
 _fake_registered = False
+
+
+def _staged(source: Path, directory: Path) -> Path:
+    """``source`` copied into the build folder (the folder is keyed by the sources'
+    bytes): the build then names the same files whichever checkout or install imported
+    tokenswift, so ninja does not rebuild because the package moved."""
+    staged = directory / source.name
+    text = source.read_bytes()
+    if not staged.is_file() or staged.read_bytes() != text:
+        partial = directory / f".{source.name}.{os.getpid()}"
+        partial.write_bytes(text)
+        partial.replace(staged)  # atomic: a concurrent build sees the old bytes or the new, never half
+    return staged
 
 
 def _linear_shape(x, weight, bias):
