@@ -182,6 +182,33 @@ def test_lossless_through_the_blocked_kernel_path(preset, greedy):
         assert calls
 
 
+@needs_kernel
+@pytest.mark.parametrize("preset", ["eagle", "medusa", "prompt-lookup"])
+@pytest.mark.parametrize("greedy", [True, False])
+def test_lossless_with_trees_through_the_kernel(preset, greedy, monkeypatch):
+    """Every tree verify forward through the decode kernel (as on CPUs where it serves
+    up to 32 new tokens; forced here, whichever CPU runs the test): fixed trees, a tiny
+    Llama with 64-wide heads in float32, and each preset still emits what plain decoding
+    emits, greedy and sampled."""
+    from tokenswift import Pipeline
+    from tokenswift.model.loading import tiny_model
+    from tokenswift.testing import FIXED_TREE, TINY_CONFIGS, assert_lossless
+
+    monkeypatch.setattr(kernels, "max_tokens", lambda dtype=None: 64)
+    config = dict(TINY_CONFIGS["llama-gqa"], head_dim=64, num_attention_heads=4, num_key_value_heads=2)
+    model = tiny_model(config, seed=5, dtype="float32")
+    widths = []
+    original = kernels.decode_attention
+    monkeypatch.setattr(kernels, "decode_attention", lambda *a: widths.append(a[0].shape[2]) or original(*a))
+    spec = {"preset": preset, **FIXED_TREE, "sampling": {"greedy": True} if greedy else {"temperature": 1.0}}
+    if preset in ("eagle", "medusa"):
+        spec["drafter"] = {"weights": "random"} if preset == "eagle" else {"heads": "random"}
+    pipe = Pipeline.from_spec(spec, model)
+    for seed in (0, 1):
+        assert_lossless(pipe, [1, 5, 9, 2, 7, 3, 1, 5, 9, 2], 24, seed=seed)
+    assert max(widths) > 2, "the trees must really go through the kernel"
+
+
 def test_measurements_are_keyed_by_the_attention_path(monkeypatch):
     """A calibration measured before the kernel served decode steps (their cost grows
     twice as fast with the context without it) must not predict steps that use it."""
@@ -266,3 +293,17 @@ def test_linears_choice_is_checked(monkeypatch):
         kernels.linears_by_default(torch.bfloat16, torch.device("cpu"))
     monkeypatch.setenv(kernels.LINEARS_ENV, "torch")
     assert not kernels.linears_by_default(torch.bfloat16, torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    ("path", "dtype", "expected"),
+    [("amx", torch.bfloat16, True), ("avx512-bf16", torch.bfloat16, True), ("avx2", torch.bfloat16, False),
+     ("avx512", torch.bfloat16, False), ("scalar", torch.bfloat16, False), ("amx", torch.float32, False),
+     (None, torch.bfloat16, False)],
+)
+def test_auto_linears_follow_the_measured_paths(monkeypatch, path, dtype, expected):
+    # Pinned: the kernel's path is what this machine's build would report, whichever CPU runs the test.
+    monkeypatch.delenv(kernels.LINEARS_ENV, raising=False)
+    monkeypatch.setattr(kernels, "linear_path", lambda: path)
+    assert kernels.linears_by_default(dtype, torch.device("cpu")) is expected
+    assert not kernels.linears_by_default(dtype, torch.device("meta"))

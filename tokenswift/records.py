@@ -48,7 +48,7 @@ def attention_path(device: torch.device) -> str:
     one- and two-token steps (building it, at the first call, if it can be), else
     "pytorch"."""
     if device.type == "cpu" and kernels.available():
-        return f"kernel {kernels.build_key()} up to {kernels.MAX_TOKENS} tokens"
+        return f"kernel {kernels.build_key()} up to {kernels.max_tokens()} tokens"
     return "pytorch"
 
 

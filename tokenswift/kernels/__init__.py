@@ -45,8 +45,22 @@ MARCH_ENV = "TOKENSWIFT_KERNELS_MARCH"  # -march for the build (default native);
 # kernel vs PyTorch's attention, 2K and 16K keys: 1 token 1.2-1.5x faster, 2 tokens
 # 1.1-1.2x, 3 tokens 0.85x in bfloat16 (its products, row by row on AVX512, lose to
 # oneDNN's AMX GEMMs as the rows grow); float32 breaks even near 6. Wider trees and
-# prompt chunks take PyTorch's path.
+# prompt chunks take PyTorch's path there.
 MAX_TOKENS = 2
+# Without AMX, on AVX512-BF16 (a 2-core AMD EPYC Zen 4), 30 layers of bfloat16 attention
+# over 2,048 keys: kernel 3.95 / 3.96 / 6.5 / 10.4 / 19.8 / 36.8 ms for 1 / 3 / 4 / 8 /
+# 16 / 32 tokens, PyTorch's 12.0 / 12.1 / 13.4 / 21.8 / 38.7 / 66.8.
+MAX_TOKENS_AVX512_BF16 = 32
+
+
+def max_tokens(dtype: torch.dtype = torch.bfloat16) -> int:
+    """New tokens per forward that :func:`decode_attention` serves on this CPU for
+    ``dtype``: :data:`MAX_TOKENS_AVX512_BF16` for bfloat16 where the kernels are built
+    for AVX512-BF16 without AMX, :data:`MAX_TOKENS` elsewhere (where wider forwards are
+    not measured faster)."""
+    if dtype == torch.bfloat16 and linear_path() == "avx512-bf16":
+        return MAX_TOKENS_AVX512_BF16
+    return MAX_TOKENS
 
 
 def enabled() -> bool:
@@ -137,7 +151,7 @@ def serves(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     kernel at the first call that could use it)."""
     return (
         query.device.type == "cpu"
-        and query.shape[2] <= MAX_TOKENS
+        and query.shape[2] <= max_tokens(query.dtype)
         and key.stride(-1) == 1
         and value.stride(-1) == 1
         and key.stride(2) == value.stride(2)
@@ -181,12 +195,19 @@ def linear_path() -> str | None:
     return torch.ops.tokenswift_cpu.few_rows_linear_path()
 
 
+# The bfloat16 paths on which ``auto`` turns the kernel on: measured faster than PyTorch's
+# products on both (docs/compiled.md). The widening paths (AVX2, AVX512 without BF16)
+# and float32 are not measured in whole runs, so they keep PyTorch's products.
+AUTO_LINEAR_PATHS = ("amx", "avx512-bf16")
+
+
 def linears_by_default(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether a model of ``dtype`` on ``device`` runs its products of a few rows through
     :func:`few_rows_linear`. ``TOKENSWIFT_LINEARS``: ``kernel`` wherever it serves the
-    dtype (float32, bfloat16), ``torch`` never, ``auto`` (default): never yet. Measured
-    faster on the AMX path (bfloat16), but not yet through the lossless suites, so not
-    a default; the AVX2 path is not measured."""
+    dtype (float32, bfloat16), ``torch`` never, ``auto`` (default): bfloat16 models on
+    the paths of :data:`AUTO_LINEAR_PATHS`. Measured there (bfloat16, SmolLM2-135M's 210
+    products of a forward): 10.0 vs 21-24 ms for one row on a Sapphire Rapids (AMX),
+    12.5 vs 19.4 ms on an AMD EPYC Zen 4 (AVX512-BF16), and faster up to 32 rows."""
     choice = os.environ.get(LINEARS_ENV, "auto").strip().lower()
     if choice not in ("auto", "kernel", "torch"):
         raise ValueError(f"{LINEARS_ENV}={choice!r}: expected auto, kernel or torch")
@@ -194,7 +215,7 @@ def linears_by_default(dtype: torch.dtype, device: torch.device) -> bool:
         return False
     if choice == "kernel":
         return available()
-    return False  # auto: see the docstring
+    return dtype == torch.bfloat16 and linear_path() in AUTO_LINEAR_PATHS
 
 
 def linear_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
