@@ -79,6 +79,13 @@ class CompileCalibration(CachedRecord):
         i = self.tree_sizes.index(size)
         return (self.tree_eager_ms[i] - self.tree_compiled_ms[i]) / 1000
 
+    def tree_compiled_seconds(self, size: int) -> float | None:
+        """Seconds of a compiled verify forward of ``size`` tokens at ``contexts[-1]``
+        positions, as measured (None: not measured)."""
+        if size not in self.tree_sizes:
+            return None
+        return self.tree_compiled_ms[self.tree_sizes.index(size)] / 1000
+
     @property
     def paying_tree_sizes(self) -> tuple[int, ...]:
         """The measured tree sizes whose compiled forwards are faster than eager ones."""
