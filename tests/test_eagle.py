@@ -297,3 +297,34 @@ def test_features_of_some_layers_are_picked_out_of_more():
     assert select_features(rows, (2, 5, 7), (2, 5, 7)) is rows
     with pytest.raises(ValueError, match=r"hold layers \[2, 5, 7\], not \[3\]"):
         select_features(rows, (2, 5, 7), (3, 5))
+
+
+def test_the_head_product_goes_through_the_kernel_in_bfloat16_where_the_runner_uses_it(monkeypatch):
+    """A bfloat16 model whose runner takes the few-rows kernel (forced, whichever CPU
+    runs this): the drafter keeps the draft vocabulary's head rows in bfloat16 and ranks
+    from one kernel call per level, within bfloat16 rounding of the float32 product; a
+    float32 model keeps its float32 head."""
+    from tokenswift import kernels
+
+    if not kernels.available():
+        pytest.skip("the kernels cannot be built on this machine")
+    monkeypatch.setenv(kernels.LINEARS_ENV, "kernel")
+    model = tiny_model_for("llama-gqa", "bfloat16")
+    pipe = Pipeline.from_spec({"preset": "eagle", **FIXED_TREE, "drafter": {"weights": "random"}}, model)
+    drafter = pipe.drafter
+    assert pipe.runner.kernel_linears and drafter.kernel_head and drafter.head.dtype == torch.bfloat16
+    calls = []
+    original = kernels.few_rows_linear
+    monkeypatch.setattr(kernels, "few_rows_linear", lambda *a: calls.append(a[1].shape) or original(*a))
+    features = torch.randn(3, model.config.hidden_size)
+    got = drafter._head_logits(features)
+    assert calls == [drafter.head.shape] and got.dtype == torch.float32
+    want = features.to(torch.bfloat16).double() @ drafter.head.double().T
+    torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)
+    # a run through it (exact identity with ar belongs in float32: bfloat16 trees may
+    # round differently from one-token steps where the attention of a tree is PyTorch's)
+    result = pipe.generate([1, 5, 9, 2, 7, 3, 1, 5, 9, 2], 12, seed=0, ignore_eos=True)
+    assert len(result.tokens) == 12 and calls[1:]
+
+    float_pipe = Pipeline.from_spec({"preset": "eagle", "drafter": {"weights": "random"}}, tiny_model_for("llama-gqa", "float32"))
+    assert not float_pipe.drafter.kernel_head and float_pipe.drafter.head.dtype == torch.float32
