@@ -141,3 +141,23 @@ def test_presets_are_also_reported_against_compiled_ar():
     assert rows["tokenswift"]["ratio_to_ar_compiled"] == pytest.approx(
         rows["tokenswift"]["tokens_per_second"] / rows["ar+compiled"]["tokens_per_second"], rel=2e-3, abs=1e-3)
     assert "| 16 | greedy | ar+compiled |" in contexts_markdown(sweep)
+
+
+@pytest.mark.parametrize(("presets", "trees"), [(["tokenswift"], True), (["ar"], False)])
+def test_contexts_sweep_compiles_tree_sizes_before_the_timed_turns(monkeypatch, presets, trees):
+    """With the compiled baseline, the sweep compiles before any turn what a speculative
+    preset's compiled run would compile mid-turn: its tree sizes."""
+    import torch
+
+    from tokenswift.testing import FIXED_TREE
+    from tokenswift.tools import contexts
+
+    asked = []
+    monkeypatch.setattr(contexts, "compile_model_once", lambda model, tokenizer, trees=False: asked.append(trees) or 0.0)
+    model = looping_model(dtype="float32")
+    text = torch.randint(0, 64, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    contexts.run_contexts(
+        model, None, lambda n: text[:n], contexts=[12], new_tokens=4, presets=presets, decodings=["greedy"], seeds=[0],
+        heads="random", overrides=FIXED_TREE, bandwidth=1e10,
+    )
+    assert asked == [trees]
