@@ -105,7 +105,8 @@ def _load() -> bool:
         logger.warning("tokenswift's CPU kernels could not be built (%s); using PyTorch's attention and products",
                        str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)
         return False
-    global _fake_registered
+    global _fake_registered, _path
+    _path = torch.ops.tokenswift_cpu.few_rows_linear_path()  # fixed by the build: asked once
     if not _fake_registered:  # once per process, however often the build is looked up again
         torch.library.register_fake("tokenswift_cpu::few_rows_linear")(_linear_shape)
         _fake_registered = True
@@ -113,6 +114,7 @@ def _load() -> bool:
 
 
 _fake_registered = False
+_path: str | None = None  # the built kernels' bfloat16 product path (see linear_path)
 
 
 def _staged(source: Path, directory: Path) -> Path:
@@ -192,7 +194,7 @@ def linear_path() -> str | None:
     kernels are not available."""
     if not available():
         return None
-    return torch.ops.tokenswift_cpu.few_rows_linear_path()
+    return _path
 
 
 # The bfloat16 paths on which ``auto`` turns the kernel on: measured faster than PyTorch's

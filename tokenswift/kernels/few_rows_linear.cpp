@@ -113,9 +113,6 @@ inline void tile_f32(const float* x, int64_t K, const float* const* w, float* ou
 #endif
 }
 
-
-
-#define TOKENSWIFT_J 8
 #if defined(__AVX512BF16__)
 // bfloat16 x and W with vdpbf16ps: 32 products per instruction, pairs summed into 16
 // float32 lanes; the K % 32 tail through masked loads (zeros add nothing).
