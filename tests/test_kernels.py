@@ -307,3 +307,16 @@ def test_auto_linears_follow_the_measured_paths(monkeypatch, path, dtype, expect
     monkeypatch.setattr(kernels, "linear_path", lambda: path)
     assert kernels.linears_by_default(dtype, torch.device("cpu")) is expected
     assert not kernels.linears_by_default(dtype, torch.device("meta"))
+
+
+@pytest.mark.parametrize(
+    ("path", "dtype", "expected"),
+    [("amx", torch.bfloat16, kernels.MAX_TOKENS_AMX_BF16), ("avx512-bf16", torch.bfloat16, kernels.MAX_TOKENS_AVX512_BF16),
+     ("avx2", torch.bfloat16, kernels.MAX_TOKENS), ("amx", torch.float32, kernels.MAX_TOKENS),
+     ("avx512-bf16", torch.float32, kernels.MAX_TOKENS), (None, torch.bfloat16, kernels.MAX_TOKENS)],
+)
+def test_tree_tokens_the_kernel_serves_follow_the_measured_paths(monkeypatch, path, dtype, expected):
+    # Pinned like the linears' choice: whichever CPU runs the test.
+    monkeypatch.setattr(kernels, "linear_path", lambda: path)
+    assert kernels.max_tokens(dtype) == expected
+    assert kernels.MAX_TOKENS_AMX_BF16 > kernels.MAX_TOKENS  # trees of a few tokens go through the kernel with AMX

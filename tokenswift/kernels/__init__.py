@@ -51,15 +51,26 @@ MAX_TOKENS = 2
 # over 2,048 keys: kernel 3.95 / 3.96 / 6.5 / 10.4 / 19.8 / 36.8 ms for 1 / 3 / 4 / 8 /
 # 16 / 32 tokens, PyTorch's 12.0 / 12.1 / 13.4 / 21.8 / 38.7 / 66.8.
 MAX_TOKENS_AVX512_BF16 = 32
+# With AMX (a 2-core Sapphire Rapids, 2026-12-02; the kernel's QK products by AVX512-BF16
+# pairs since the measurement above), 30 layers of bfloat16 attention, kernel vs
+# PyTorch's, in turns in one process: over 2,048 keys 7.3 / 8.4 / 12.7 / 22.6 / 36.8 ms
+# for 1 / 2 / 4 / 8 / 16 tokens against 9.3 / 23.2 / 23.3 / 23.6 / 30.1; over 16,384
+# keys 37 / 45 / 72 / 148 / 282 against 86 / 194 / 208 / 237 / 276. oneDNN's AMX GEMMs
+# win from 16 rows on.
+MAX_TOKENS_AMX_BF16 = 8
 
 
 def max_tokens(dtype: torch.dtype = torch.bfloat16) -> int:
     """New tokens per forward that :func:`decode_attention` serves on this CPU for
-    ``dtype``: :data:`MAX_TOKENS_AVX512_BF16` for bfloat16 where the kernels are built
-    for AVX512-BF16 without AMX, :data:`MAX_TOKENS` elsewhere (where wider forwards are
-    not measured faster)."""
-    if dtype == torch.bfloat16 and linear_path() == "avx512-bf16":
-        return MAX_TOKENS_AVX512_BF16
+    ``dtype``: in bfloat16, :data:`MAX_TOKENS_AVX512_BF16` where the kernels are built
+    for AVX512-BF16 without AMX and :data:`MAX_TOKENS_AMX_BF16` with AMX;
+    :data:`MAX_TOKENS` elsewhere (where wider forwards are not measured faster)."""
+    if dtype == torch.bfloat16:
+        path = linear_path()
+        if path == "avx512-bf16":
+            return MAX_TOKENS_AVX512_BF16
+        if path == "amx":
+            return MAX_TOKENS_AMX_BF16
     return MAX_TOKENS
 
 
