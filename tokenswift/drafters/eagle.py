@@ -31,10 +31,12 @@ import attrs
 import torch
 
 from tokenswift import kernels
+from tokenswift.drafters import compiled_layer
 from tokenswift.drafters.feature_net import FeatureNet, find_shipped_drafter
 from tokenswift.drafters.head_based import coupled_rating
 from tokenswift.errors import SpecError
 from tokenswift.interfaces import Drafter
+from tokenswift.model.compiled import CompileUnavailable
 from tokenswift.model.linear import KernelLinears
 from tokenswift.tree import DRAFTER, Branch, SampledChildren
 from tokenswift.validation import boolean, int_at_least, integer, weights_source
@@ -116,6 +118,7 @@ class EagleDrafter(Drafter):
         # target id -> row of the draft vocabulary; ids outside it -> the extra last column
         self.draft_index = torch.full((runner.vocab_size,), len(draft_tokens), dtype=torch.long, device=runner.device)
         self.draft_index[draft_tokens] = torch.arange(len(draft_tokens), device=runner.device)
+        self.layer_compiled = False  # the layer has run compiled (see _extend)
         self.start(None)
         logger.info("eagle drafter: %s, draft vocabulary %d, depth %d", source, len(self.draft_tokens), options.depth)
 
@@ -177,21 +180,60 @@ class EagleDrafter(Drafter):
         device = self.runner.device
         tokens = torch.tensor(self.pending_tokens, device=device)
         features = self.net.feature(torch.stack(self.pending_features).to(device, torch.float32))  # [m, H]
-        x = self.net.fuse(self.embed(tokens).to(torch.float32), features)[None]  # [1, m, H]
         positions = torch.arange(self.next_position, self.next_position + m, device=device)
-        keys, values = self.net.keys_values(x, positions)
-        keys = torch.cat([self.keys, keys], 2)
-        values = torch.cat([self.values, values], 2)
         old = self.keys.shape[2]
         mask = torch.ones(m, old + m, dtype=torch.bool, device=device)
         mask[:, old:] = torch.ones(m, m, dtype=torch.bool, device=device).tril()
-        out = self.net.attend(x, positions, keys, values, mask)[0, -1]
+        keys, values, out = self._extend(self.embed(tokens).to(torch.float32), features, positions, self.keys, self.values, mask)
+        out = out[-1]
         window = self.options.window
-        self.keys, self.values = keys[:, :, -window:], values[:, :, -window:]
+        self.keys, self.values = torch.cat([self.keys, keys], 2)[:, :, -window:], torch.cat([self.values, values], 2)[:, :, -window:]
         position = self.next_position + m - 1
         self.next_position += m
         self.pending_features, self.pending_tokens = [], []
         return out, position
+
+    def _extend(self, embeds, features, positions, past_keys, past_values, mask):
+        """The layer's forward of new pairs (:meth:`FeatureNet.extend`): compiled while
+        the target's forwards are (:mod:`~tokenswift.drafters.compiled_layer`) and the
+        pairs attend to at least two others (the prompt's pairs, once per run, and
+        a run's first steps stay eager), else eager."""
+        if (
+            self.runner.compiled is not None
+            and past_keys.shape[2] >= 2
+            and compiled_layer.usable(past_keys.device)
+        ):
+            try:
+                out = compiled_layer.extend(self.net, embeds, features, positions, past_keys, past_values, mask,
+                                            kernel_linears=self.kernel_head)
+                self.layer_compiled = True
+                return out
+            except CompileUnavailable as exc:
+                logger.warning("the eagle draft layer runs eagerly: %s", exc)
+        return self.net.extend(embeds, features, positions, past_keys, past_values, mask)
+
+    def compile_layer_now(self) -> float:
+        """Compile the layer's graphs (one new pair, several) now, outside any run (a
+        benchmark before its timed turns); the seconds it took (0 where they were
+        compiled already or cannot be)."""
+        device = self.runner.device
+        if not compiled_layer.usable(device):
+            return 0.0
+        before = compiled_layer.compile_seconds
+        config = self.net.config
+        with torch.inference_mode(), KernelLinears() if self.kernel_head else contextlib.nullcontext():
+            for pairs in (1, 2):
+                # distinct tensors, as in a run (the graph is specialised on which inputs alias)
+                embeds, features = (torch.zeros(pairs, config.hidden_size, device=device) for _ in range(2))
+                keys, values = (torch.zeros(1, config.num_kv_heads, 4, config.head_dim, device=device) for _ in range(2))
+                mask = torch.ones(pairs, 4 + pairs, dtype=torch.bool, device=device)
+                try:
+                    compiled_layer.extend(self.net, embeds, features, torch.arange(pairs, device=device), keys, values,
+                                          mask, kernel_linears=self.kernel_head)
+                except CompileUnavailable as exc:
+                    logger.warning("the eagle draft layer runs eagerly: %s", exc)
+                    break
+        return compiled_layer.compile_seconds - before
 
     # -- drafting ----------------------------------------------------------------------
 
@@ -262,7 +304,7 @@ class EagleDrafter(Drafter):
         # A candidate the warpers filtered out (probability 0) can never be drawn: dropped.
         level = [_Node([t], [p], p, root_feature, []) for t, p in zip(ids[0], probs[0]) if p > 0]
         drafted = list(level)
-        scratch_keys, scratch_values = [], []
+        scratch_keys, scratch_values = self.keys[:, :, :0], self.values[:, :, :0]  # [1, kv_heads, drafted, d]
         device = self.runner.device
         for depth in range(1, self.depth_limit):
             expand = sorted((n for n in level if n.chance >= options.threshold), key=lambda n: -n.chance)[: options.width]
@@ -270,20 +312,18 @@ class EagleDrafter(Drafter):
                 break
             tokens = torch.tensor([n.tokens[-1] for n in expand], device=device)
             features = torch.stack([n.feature for n in expand])
-            x = self.net.fuse(self.embed(tokens).to(torch.float32), features)[None]  # [1, w, H]
             positions = torch.full((len(expand),), root_position + depth, device=device)
-            keys, values = self.net.keys_values(x, positions)
-            first = len(scratch_keys)
-            scratch_keys.extend(keys[:, :, i] for i in range(len(expand)))
-            scratch_values.extend(values[:, :, i] for i in range(len(expand)))
             committed = self.keys.shape[2]
-            mask = torch.zeros(len(expand), committed + len(scratch_keys), dtype=torch.bool, device=device)
+            first = scratch_keys.shape[2]  # the drafted nodes' pairs so far: the ancestors'
+            mask = torch.zeros(len(expand), committed + first + len(expand), dtype=torch.bool, device=device)
             mask[:, :committed] = True
             for row, node in enumerate(expand):
                 mask[row, [committed + a for a in node.ancestors] + [committed + first + row]] = True
-            all_keys = torch.cat([self.keys, torch.stack(scratch_keys, 2)], 2)
-            all_values = torch.cat([self.values, torch.stack(scratch_values, 2)], 2)
-            out = self.net.attend(x, positions, all_keys, all_values, mask)[0]  # [w, H]
+            keys, values, out = self._extend(
+                self.embed(tokens).to(torch.float32), features, positions,
+                torch.cat([self.keys, scratch_keys], 2), torch.cat([self.values, scratch_values], 2), mask,
+            )  # out: [w, H]
+            scratch_keys, scratch_values = torch.cat([scratch_keys, keys], 2), torch.cat([scratch_values, values], 2)
             ids, probs, q = self._ranked(
                 out, [tail + n.tokens for n in expand], options.children, inputs.noise(depth + 1), draw(depth + 1)
             )

@@ -167,6 +167,20 @@ class FeatureNet(nn.Module):
         normed = self.mlp_norm(x)
         return x + self.down(F.silu(self.gate(normed)) * self.up(normed))
 
+    def extend(
+        self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, past_keys: torch.Tensor,
+        past_values: torch.Tensor, mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One draft forward of T new pairs, as the drafter runs them: ``embeds`` [T, H]
+        (the tokens' embeddings) fused with ``features`` [T, H] (the features they follow),
+        at ``positions`` [T], attending to ``past_keys``/``past_values`` [1, kv_heads, S, d]
+        and to their own keys where ``mask`` [T, S + T] is True. Returns the new pairs'
+        keys and values [1, kv_heads, T, d] and their outputs [T, H]."""
+        x = self.fuse(embeds, features)[None]  # [1, T, H]
+        keys, values = self.keys_values(x, positions)
+        out = self.attend(x, positions, torch.cat([past_keys, keys], 2), torch.cat([past_values, values], 2), mask)
+        return keys, values, out[0]
+
     def unrolled(self, embed: nn.Module, features: torch.Tensor, tokens: torch.Tensor, depth: int) -> list[torch.Tensor]:
         """Training and evaluation: ``depth`` draft levels over whole windows, as the
         drafter runs them. features: [B, T, feature_size] the target's; tokens: [B, T].
