@@ -40,7 +40,8 @@ DECODINGS = {
 
 
 def spec_for(
-    name: str, decoding: dict, *, alone: bool, max_nodes: int, eagle_weights: str | None = None, heads: str | None = None
+    name: str, decoding: dict, *, alone: bool, max_nodes: int, eagle_weights: str | None = None, heads: str | None = None,
+    drafter_options: dict | None = None,
 ) -> dict:
     spec = {"preset": name, "speculation": {"tree": "fixed", "max_nodes": max_nodes}}
     if alone:
@@ -49,6 +50,8 @@ def spec_for(
         spec["drafter"] = {**spec.get("drafter", {}), "weights": eagle_weights}
     if name in ("tokenswift", "medusa") and heads:
         spec["drafter"] = {**spec.get("drafter", {}), "heads": heads}
+    if drafter_options:
+        spec["drafter"] = {**spec.get("drafter", {}), **drafter_options}
     decoding = dict(decoding)
     verifier = decoding.pop("verifier", None)
     if verifier is not None:
@@ -70,6 +73,8 @@ def main() -> None:
     parser.add_argument("--max-nodes", type=int, default=64)
     parser.add_argument("--eagle-weights", help="the eagle drafter's network (default: the shipped one)")
     parser.add_argument("--heads", help="the tokenswift/medusa drafters' heads (default: the shipped ones)")
+    parser.add_argument("--drafter-options", type=json.loads, default=None,
+                        help='JSON of drafter options for every preset, e.g. \'{"depth": 6, "width": 8}\'')
     parser.add_argument("--decodings", default=",".join(DECODINGS), help=f"comma-separated, of {list(DECODINGS)}")
     parser.add_argument("--out", default="benchmarks/results/drafter-acceptance")
     args = parser.parse_args()
@@ -79,7 +84,8 @@ def main() -> None:
     for decoding_name in args.decodings.split(","):
         for name in args.presets.split(","):
             spec = spec_for(name, DECODINGS[decoding_name], alone=args.drafters_alone, max_nodes=args.max_nodes,
-                            eagle_weights=args.eagle_weights, heads=args.heads)
+                            eagle_weights=args.eagle_weights, heads=args.heads,
+                            drafter_options=args.drafter_options)
             started = time.perf_counter()
             result = Pipeline.from_spec(spec, model, tokenizer).generate(prompt, args.new_tokens, seed=0, ignore_eos=True)
             stats = result.stats
@@ -100,6 +106,7 @@ def main() -> None:
         "machine": machine_name(torch.device("cpu")), "python": platform.python_version(), "torch": torch.__version__,
         "dtype": args.dtype, "new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens,
         "max_nodes": args.max_nodes, "drafters_alone": args.drafters_alone, "eagle_weights": args.eagle_weights or "shipped", "heads": args.heads or "shipped",
+        "drafter_options": args.drafter_options or {},
     }
     (out / "acceptance.json").write_text(json.dumps({"info": info, "rows": rows}, indent=2) + "\n")
     lines = ["| decoding | preset | tokens/step | steps accepting >= 1 / 2 / 3 / 4 drafts | nodes verified per step "

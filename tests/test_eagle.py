@@ -328,3 +328,64 @@ def test_the_head_product_goes_through_the_kernel_in_bfloat16_where_the_runner_u
 
     float_pipe = Pipeline.from_spec({"preset": "eagle", "drafter": {"weights": "random"}}, tiny_model_for("llama-gqa", "float32"))
     assert not float_pipe.drafter.kernel_head and float_pipe.drafter.head.dtype == torch.float32
+
+
+def test_coupled_candidates_are_ranked_on_the_untruncated_draft_plus_the_noise(tmp_path):
+    """Coupled to the draw, a depth's candidates are the top of log q + G with q after the
+    penalty and temperature but before min-p: truncating the draft's own guess would drop
+    tokens the target still admits and the noise favours (planted: a truncated q fails)."""
+    model = tiny_model_for("llama-mha", "float64")
+    drafter = {"weights": decisive_net(model, tmp_path), "depth": 1, "children": 4, "threshold": 0.0}
+    pipe = Pipeline.from_spec({"preset": "eagle", "drafter": drafter, "sampling": {"temperature": 1.0, "min_p": 0.9}}, model)
+    generation = pipe.start([1, 2, 3, 4], 2, seed=0, ignore_eos=True)
+    generation.prefill()
+    vocab = pipe.runner.vocab_size
+    plain = pipe.drafter.propose(generation.state, DraftInputs(noise=lambda depth: torch.zeros(vocab, dtype=torch.float64)))
+    assert len(plain) == 4  # min-p 0.9 would leave q one or two tokens: the others are still candidates
+    favourite = plain[-1].tokens[0]  # the draft's fourth choice, which min-p 0.9 filters out of q
+    noise = torch.zeros(vocab, dtype=torch.float64)
+    noise[favourite] = 30.0
+    generation = pipe.start([1, 2, 3, 4], 2, seed=0, ignore_eos=True)
+    generation.prefill()
+    coupled = pipe.drafter.propose(generation.state, DraftInputs(noise=lambda depth: noise))
+    assert coupled[0].tokens == [favourite] and coupled[0].confidence[0] > 0.99
+
+
+def test_the_untruncated_scores_are_the_penalty_and_temperature_alone():
+    from tokenswift.penalties.contextual import ContextualPenalty
+    from tokenswift.scoring import Scorer
+    from tokenswift.spec import SamplingSpec
+
+    penalty = ContextualPenalty(ContextualPenalty.Options(value=1.5, window=4), None)
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 1.0]])
+    contexts = torch.tensor([[0, 1, 1, 2]])
+    scorer = Scorer(penalty, SamplingSpec(temperature=0.5, min_p=0.5))
+    expected = torch.tensor([[2.0 / 1.5, -1.5, 0.5 / 1.5, 3.0, 1.0]]) / 0.5
+    torch.testing.assert_close(scorer.untruncated(contexts, logits.clone()), expected)
+    assert torch.isinf(scorer(contexts, logits.clone())).any()  # the full scorer truncates (min-p)
+    greedy = Scorer(penalty, SamplingSpec(greedy=True))
+    torch.testing.assert_close(greedy.untruncated(contexts, logits.clone()), expected * 0.5)
+
+
+def test_a_proposal_keeps_the_likeliest_candidates_a_step_can_verify(tmp_path):
+    """EAGLE-2's reranking: of everything drafted, the ``speculation.max_nodes`` likeliest
+    (by the product of their probabilities) are proposed, a subtree (every prefix kept)."""
+    import math
+
+    model = tiny_model_for("llama-mha", "float64")
+    drafter = {"weights": decisive_net(model, tmp_path), "depth": 3, "width": 4, "children": 4, "threshold": 0.0}
+
+    def proposal(max_nodes):
+        spec = {"preset": "eagle", "drafter": drafter, "sampling": {"greedy": True}, "speculation": {"max_nodes": max_nodes}}
+        pipe = Pipeline.from_spec(spec, model)
+        generation = pipe.start([1, 2, 3, 4], 2, seed=0, ignore_eos=True)
+        generation.prefill()
+        return pipe, pipe.drafter.propose(generation.state, DraftInputs())
+
+    _, everything = proposal(1000)
+    pipe, kept = proposal(10)
+    assert len(everything) > 20 and len(kept) == 10 == pipe.drafter.max_tree_nodes  # (p = 0 children dropped)
+    chance = {tuple(b.tokens): math.prod(b.confidence) for b in everything}
+    paths = {tuple(b.tokens) for b in kept}
+    assert all(path[:d] in paths for path in paths for d in range(1, len(path)))  # a subtree
+    assert min(chance[p] for p in paths) >= max(c for p, c in chance.items() if p not in paths)

