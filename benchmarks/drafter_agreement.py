@@ -27,6 +27,7 @@ from tokenswift.machine import machine_name
 from tokenswift.model.loading import load_model
 from tokenswift.spec import ModelSpec
 from tokenswift.tools.drafter_training import DrafterTrainConfig, evaluate
+from tokenswift.tools.self_distill import read_shards
 from tokenswift.tools.training import read_corpus
 
 BOOKS = Path(__file__).resolve().parents[2] / "shared" / "data" / "pg_books.jsonl"
@@ -39,6 +40,12 @@ def texts(tokenizer, self_text: str | None) -> dict[str, torch.Tensor]:
         corpus = read_corpus(path, tokenizer, ())
         tokens = corpus.held_out if part == "last" else torch.cat([corpus.train, corpus.held_out])
         out[f"self-generated ({self_text})"] = tokens
+        if not part:  # the target's greedy text and its sampled text apart
+            for decoding in ("greedy", "sampled"):
+                records = [r for r in read_shards(path) if r.get("decoding") == decoding]
+                if records:
+                    ids = [tokenizer(r["text"], add_special_tokens=False)["input_ids"] for r in records]
+                    out[f"self-generated, {decoding} ({self_text})"] = torch.tensor([t for row in ids for t in row])
     return out
 
 

@@ -75,7 +75,7 @@ class EagleDrafter(Drafter):
         depth: int = attrs.field(default=8, converter=int_at_least("drafter.depth", 1))
         width: int = attrs.field(default=12, converter=int_at_least("drafter.width", 1))
         children: int = attrs.field(default=10, converter=int_at_least("drafter.children", 1))
-        threshold: float = attrs.field(default=0.02, converter=_threshold)
+        threshold: float = attrs.field(default=0.0, converter=_threshold)
         window: int = attrs.field(default=512, converter=int_at_least("drafter.window", 1))
         penalize: bool = attrs.field(default=True, converter=boolean("drafter.penalize"))
         vocab: int = attrs.field(default=None, converter=int_at_least("drafter.vocab", 2, optional=True))
