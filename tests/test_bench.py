@@ -143,22 +143,21 @@ def test_presets_are_also_reported_against_compiled_ar():
     assert "| 16 | greedy | ar+compiled |" in contexts_markdown(sweep)
 
 
-@pytest.mark.parametrize(("presets", "trees", "eagle"), [(["tokenswift"], True, False), (["ar"], False, False), (["eagle"], True, True)])
-def test_contexts_sweep_compiles_tree_sizes_before_the_timed_turns(monkeypatch, presets, trees, eagle):
+@pytest.mark.parametrize(("presets", "trees"), [(["tokenswift"], True), (["ar"], False), (["eagle"], True)])
+def test_contexts_sweep_compiles_tree_sizes_before_the_timed_turns(monkeypatch, presets, trees):
     """With the compiled baseline, the sweep compiles before any turn what a speculative
-    preset's compiled run would compile mid-turn: its tree sizes, and the eagle drafter's layer."""
+    preset's compiled run would compile mid-turn: its tree sizes."""
     import torch
 
     from tokenswift.testing import FIXED_TREE
     from tokenswift.tools import contexts
 
     asked = []
-    monkeypatch.setattr(contexts, "compile_model_once",
-                        lambda model, tokenizer, trees=False, eagle=False: asked.append((trees, eagle)) or 0.0)
+    monkeypatch.setattr(contexts, "compile_model_once", lambda model, tokenizer, trees=False: asked.append(trees) or 0.0)
     model = looping_model(dtype="float32")
     text = torch.randint(0, 64, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     contexts.run_contexts(
         model, None, lambda n: text[:n], contexts=[12], new_tokens=4, presets=presets, decodings=["greedy"], seeds=[0],
         heads="random", overrides=FIXED_TREE, bandwidth=1e10,
     )
-    assert asked == [(trees, eagle)]
+    assert asked == [trees]

@@ -119,8 +119,7 @@ def run_contexts(
         # The tree sizes a speculative preset would compile too, before any timed turn: a
         # cold compile met mid-turn (minutes on two cores) was once counted as decoding.
         speculative = any(preset != "ar" for preset, _ in variants.values())
-        eagle = any(preset == "eagle" for preset, _ in variants.values())
-        report["compile_seconds"] = round(compile_model_once(model, tokenizer, trees=speculative, eagle=eagle), 1)
+        report["compile_seconds"] = round(compile_model_once(model, tokenizer, trees=speculative), 1)
     for context in contexts:
         prompt = prompt_for(context)
         pipelines = {decoding: {} for decoding in decodings}

@@ -124,14 +124,12 @@ def same_compile_ar(label: str, variants: dict[str, tuple[str, bool | str]]) -> 
     return f"ar{SUFFIXES[variants[label][1]]}"
 
 
-def compile_model_once(model, tokenizer, trees: bool = False, eagle: bool = False) -> float:
-    """Compile ``model``'s one-token forward now (outside any timed turn), with
-    ``trees`` the tree sizes compiled runs use (:func:`~tokenswift.compiling.compile_trees_now`)
-    and with ``eagle`` the eagle drafter's layer; the seconds."""
+def compile_model_once(model, tokenizer, trees: bool = False) -> float:
+    """Compile ``model``'s one-token forward now (outside any timed turn), and with
+    ``trees`` the tree sizes compiled runs use (:func:`~tokenswift.compiling.compile_trees_now`);
+    the seconds."""
     pipe = preset_pipeline("ar", model, tokenizer, overrides={"model": {"compile": True}})
     seconds = pipe.generate([0, 1, 2, 3], 2, seed=0, ignore_eos=True).stats.compile_seconds
-    if eagle:
-        seconds += preset_pipeline("eagle", model, tokenizer, overrides={"model": {"compile": True}}).drafter.compile_layer_now()
     return seconds + (compile_trees_now(pipe.runner) if trees else 0.0)
 
 
@@ -158,8 +156,7 @@ def compare_presets(
     variants = variant_names(presets, compile, compiled_baseline)
     compiles = any(choice is not False for _, choice in variants.values())
     speculative = any(choice is not False and preset != "ar" for preset, choice in variants.values())
-    eagle = any(choice is not False and preset == "eagle" for preset, choice in variants.values())
-    compile_seconds = compile_model_once(model, tokenizer, trees=speculative, eagle=eagle) if compiles else None
+    compile_seconds = compile_model_once(model, tokenizer, trees=speculative) if compiles else None
     overrides = {"sampling": {"greedy": True}} if greedy else {}
     totals = {name: {"tokens": 0, "seconds": 0.0, "steps_tokens": []} for name in variants}
     per_seed = []
