@@ -389,3 +389,31 @@ def test_a_proposal_keeps_the_likeliest_candidates_a_step_can_verify(tmp_path):
     paths = {tuple(b.tokens) for b in kept}
     assert all(path[:d] in paths for path in paths for d in range(1, len(path)))  # a subtree
     assert min(chance[p] for p in paths) >= max(c for p, c in chance.items() if p not in paths)
+
+
+def test_levels_are_drafted_no_wider_than_the_verified_trees_need(tmp_path):
+    """Where steps verify a few drafted nodes, the drafter expands and ranks at most
+    twice that plus two per level; where every candidate is verified (fixed trees), the
+    whole configured width."""
+    model = tiny_model_for("llama-mha", "float64")
+    drafter = {"weights": decisive_net(model, tmp_path), "depth": 3, "width": 12, "children": 10, "threshold": 0.0}
+
+    def level_rows(max_nodes):
+        spec = {"preset": "eagle", "drafter": drafter, "sampling": {"greedy": True},
+                "speculation": {"tree": "fixed", "max_nodes": max_nodes}, "retriever": {"name": "none"}}
+        pipe = Pipeline.from_spec(spec, model)
+        rows, extend = [], pipe.drafter._extend
+
+        def recording(embeds, features, positions, *rest):
+            if len(positions) > 1 and bool((positions == positions[0]).all()):  # a draft level, not committed pairs
+                rows.append(len(positions))
+            return extend(embeds, features, positions, *rest)
+
+        pipe.drafter._extend = recording
+        result = pipe.generate([1, 2, 3, 4] * 3, 40, seed=0, ignore_eos=True)
+        return rows, result
+
+    rows, result = level_rows(3)  # a step verifies at most 3 drafted nodes
+    assert result.stats.steps > 12 and rows and max(rows) <= 2 * 3 + 2
+    rows, _ = level_rows(64)
+    assert rows and min(rows) == 10  # every candidate verified: nothing cut
