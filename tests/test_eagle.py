@@ -402,14 +402,14 @@ def test_levels_are_drafted_no_wider_than_the_verified_trees_need(tmp_path):
         spec = {"preset": "eagle", "drafter": drafter, "sampling": {"greedy": True},
                 "speculation": {"tree": "fixed", "max_nodes": max_nodes}, "retriever": {"name": "none"}}
         pipe = Pipeline.from_spec(spec, model)
-        rows, extend = [], pipe.drafter._extend
+        rows, extend = [], pipe.drafter.net.extend
 
         def recording(embeds, features, positions, *rest):
             if len(positions) > 1 and bool((positions == positions[0]).all()):  # a draft level, not committed pairs
                 rows.append(len(positions))
             return extend(embeds, features, positions, *rest)
 
-        pipe.drafter._extend = recording
+        pipe.drafter.net.extend = recording
         result = pipe.generate([1, 2, 3, 4] * 3, 40, seed=0, ignore_eos=True)
         return rows, result
 

@@ -193,7 +193,7 @@ class EagleDrafter(Drafter):
         old = self.keys.shape[2]
         mask = torch.ones(m, old + m, dtype=torch.bool, device=device)
         mask[:, old:] = torch.ones(m, m, dtype=torch.bool, device=device).tril()
-        keys, values, out = self._extend(self.embed(tokens).to(torch.float32), features, positions, self.keys, self.values, mask)
+        keys, values, out = self.net.extend(self.embed(tokens).to(torch.float32), features, positions, self.keys, self.values, mask)
         out = out[-1]
         window = self.options.window
         self.keys, self.values = torch.cat([self.keys, keys], 2)[:, :, -window:], torch.cat([self.values, values], 2)[:, :, -window:]
@@ -201,14 +201,6 @@ class EagleDrafter(Drafter):
         self.next_position += m
         self.pending_features, self.pending_tokens = [], []
         return out, position
-
-    def _extend(self, embeds, features, positions, past_keys, past_values, mask):
-        """The layer's forward of new pairs (:meth:`FeatureNet.extend`), eager. Compiled
-        (one dynamic-shape graph) it made proposals slower, not faster: in whole runs
-        with the target compiled, a proposal took 10.4 ms for 22 drafted nodes against
-        4.7 ms for 19 eager, the layer's products going through the kernel (2-core
-        Sapphire Rapids, bfloat16, 2K prompt, greedy)."""
-        return self.net.extend(embeds, features, positions, past_keys, past_values, mask)
 
     # -- drafting ----------------------------------------------------------------------
 
@@ -223,7 +215,7 @@ class EagleDrafter(Drafter):
     def breadth_limit(self) -> int:
         """How many nodes to expand per level and children to draft per node: twice the
         most drafted nodes verified in one of the last steps, plus two (no level of a
-        verified tree holds more), at most ``width`` / ``children``. Where the tree
+        verified tree holds more); ``width`` and ``children`` cap it. Where the tree
         choice verifies a few nodes, drafting 12 x 10 per level was most of a step
         (eager greedy, 2K prompt, Sapphire Rapids: 18 ms of a 63 ms step); with every
         candidate verified (fixed trees) nothing is cut."""
@@ -251,7 +243,8 @@ class EagleDrafter(Drafter):
             window = scorer.window
             # built from the committed tail once per proposal: a list of 1,024 ids per row
             # made a tensor cost 1.6 ms a proposal
-            rows = torch.cat([tail.expand(len(paths), -1), torch.tensor(paths, dtype=torch.long, device=tail.device).view(len(paths), -1)], 1)
+            path_ids = torch.tensor(paths, dtype=torch.long, device=tail.device).view(len(paths), -1)
+            rows = torch.cat([tail.expand(len(paths), -1), path_ids], 1)
             tails = rows[:, -window:] if window else rows[:, :0]
             # Coupled to the draw, q is ranked untruncated: the target's own truncation
             # decides what it can emit, and q's min-p dropped tokens that p admitted and
@@ -321,7 +314,9 @@ class EagleDrafter(Drafter):
             mask[:, :committed] = True
             for row, node in enumerate(expand):
                 mask[row, [committed + a for a in node.ancestors] + [committed + first + row]] = True
-            keys, values, out = self._extend(
+            # eager: compiled with dynamic shapes, the layer made whole-run proposals twice
+            # as slow (10.4 ms for 22 drafted nodes against 4.7 ms for 19; docs/compiled.md)
+            keys, values, out = self.net.extend(
                 self.embed(tokens).to(torch.float32), features, positions,
                 torch.cat([self.keys, scratch_keys], 2), torch.cat([self.values, scratch_values], 2), mask,
             )  # out: [w, H]
