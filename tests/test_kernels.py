@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from tokenswift import kernels
 from tokenswift.model.kv import CompactView, FullView
 from tokenswift.model.runner import Runner
-from tokenswift.testing import tiny_model_for
+from tokenswift.testing import TINY_CONFIGS, tiny_model, tiny_model_for
 from tokenswift.tree import DraftTree
 
 needs_kernel = pytest.mark.skipif(not kernels.available(), reason="the kernel cannot be built on this machine")
@@ -109,6 +109,41 @@ def test_runner_forwards_take_the_kernel_and_match_the_torch_path(name, monkeypa
     for a, b in zip(with_kernel, without):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
+
+
+@needs_kernel
+def test_bfloat16_forwards_with_head_dim_64_match_the_torch_path(monkeypatch):
+    """The blocked paths (AVX512-BF16 pairs; AMX tiles for 3+ rows where the CPU has
+    them) serve a bfloat16 model with head dim 64 and three query heads per KV head, as
+    SmolLM2's: one token and a 4-token tree over 200 committed positions give the logits
+    of PyTorch's attention to bfloat16 rounding. The tree is served on every CPU path
+    (forced: where the kernel takes trees is measured per machine)."""
+    calls = []
+    original = kernels.decode_attention
+    monkeypatch.setattr(kernels, "decode_attention", lambda *a: calls.append(a[0].shape[2]) or original(*a))
+    monkeypatch.setattr(kernels, "max_tokens", lambda dtype=torch.bfloat16: 16)
+    config = dict(TINY_CONFIGS["llama-gqa"], hidden_size=384, num_attention_heads=6, num_key_value_heads=2, initializer_range=0.05)
+    model = tiny_model(config, dtype="bfloat16")
+    prompt = torch.arange(3, 203) % 60
+
+    def forwards():
+        runner = Runner(model)
+        runner.allocate(256)
+        runner.prefill(prompt)
+        one = runner.forward(torch.tensor([7])).logits
+        tree = DraftTree.root_only(7)
+        tree.add_branch([9, 11])
+        tree.add_branch([12])
+        four = runner.forward(tree.token_tensor(), tree_mask=tree.mask(), depths=tree.depth_tensor()).logits
+        return one, four
+
+    with_kernel = forwards()
+    assert sorted(set(calls)) == [1, 4]
+    monkeypatch.setattr(kernels, "available", lambda: False)
+    without = forwards()
+    for a, b in zip(with_kernel, without):
+        scale = float(b.float().abs().max())
+        torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=0.03 * scale)
 
 def test_no_compiler_means_one_warning_and_pytorchs_path(monkeypatch, tmp_path, caplog):
     from torch.utils import cpp_extension

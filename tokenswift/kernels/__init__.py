@@ -3,9 +3,10 @@
 :func:`decode_attention` is the attention of a forward's few new tokens over a layer's
 committed KV (``decode_attention.cpp``): the KV range split across threads, one pass
 over the keys and values for all query rows of a KV head, partial softmaxes merged by
-log-sum-exp. PyTorch's CPU flash kernel parallelises over batch x heads x query blocks
-only, which for one sequence with 3 KV heads keeps two thirds of the work on one of
-two threads, and never splits the KV.
+log-sum-exp; with AMX, the products of a KV head's 3+ bfloat16 rows run on tiles.
+PyTorch's CPU flash kernel parallelises over batch x heads x query blocks only, which
+for one sequence with 3 KV heads keeps two thirds of the work on one of two threads,
+and never splits the KV.
 
 :func:`few_rows_linear` is ``F.linear`` for a few rows (``few_rows_linear.cpp``): the
 weight streamed once for all rows (AMX tiles where the CPU has them), each row's result
@@ -37,6 +38,7 @@ from tokenswift.paths import cache_dir
 logger = logging.getLogger(__name__)
 
 SOURCES = (Path(__file__).with_name("decode_attention.cpp"), Path(__file__).with_name("few_rows_linear.cpp"))
+HEADERS = (Path(__file__).with_name("amx.h"),)  # included by the sources: staged beside them, part of the key
 ENV = "TOKENSWIFT_KERNELS"
 LINEARS_ENV = "TOKENSWIFT_LINEARS"  # auto (default), kernel (wherever it serves) or torch (never)
 CACHE_ENV = "TOKENSWIFT_KERNEL_CACHE"  # where builds go, if not $TOKENSWIFT_CACHE/kernels
@@ -51,13 +53,14 @@ MAX_TOKENS = 2
 # over 2,048 keys: kernel 3.95 / 3.96 / 6.5 / 10.4 / 19.8 / 36.8 ms for 1 / 3 / 4 / 8 /
 # 16 / 32 tokens, PyTorch's 12.0 / 12.1 / 13.4 / 21.8 / 38.7 / 66.8.
 MAX_TOKENS_AVX512_BF16 = 32
-# With AMX (a 2-core Sapphire Rapids, 2026-12-02; the kernel's QK products by AVX512-BF16
-# pairs since the measurement above), 30 layers of bfloat16 attention, kernel vs
-# PyTorch's, in turns in one process: over 2,048 keys 7.3 / 8.4 / 12.7 / 22.6 / 36.8 ms
-# for 1 / 2 / 4 / 8 / 16 tokens against 9.3 / 23.2 / 23.3 / 23.6 / 30.1; over 16,384
-# keys 37 / 45 / 72 / 148 / 282 against 86 / 194 / 208 / 237 / 276. oneDNN's AMX GEMMs
-# win from 16 rows on.
-MAX_TOKENS_AMX_BF16 = 8
+# With AMX (a 2-core Sapphire Rapids, 2026-12-03; the kernel's products of 3+ rows on
+# AMX tiles), 30 layers of bfloat16 attention, kernel vs PyTorch's, in turns in one
+# process (`benchmarks/attention_tokens.py`): over 2,048 keys 2.4 / 3.4 / 5.1 / 8.1 /
+# 17.9 ms for 1 / 4 / 8 / 16 / 32 tokens against 4.0 / 6.2 / 7.9 / 11.6 / 17.1; over
+# 16,384 keys 19.9 / 25.2 / 35.8 / 54.3 / 99.0 against 47.6 / 56.5 / 74.0 / 108.0 / 128.4.
+# (Before the tiles, with the products by AVX512-BF16 pairs, 16 tokens lost: 282 vs 276
+# ms over 16K keys.)
+MAX_TOKENS_AMX_BF16 = 16
 
 
 def max_tokens(dtype: torch.dtype = torch.bfloat16) -> int:
@@ -90,7 +93,7 @@ def build_root() -> Path:
 
 
 def build_key() -> str:
-    text = b"".join(source.read_bytes() for source in SOURCES) + torch.__version__.encode() + machine_name(torch.device("cpu")).encode() + march().encode()
+    text = b"".join(source.read_bytes() for source in SOURCES + HEADERS) + torch.__version__.encode() + machine_name(torch.device("cpu")).encode() + march().encode()
     return hashlib.sha256(text).hexdigest()[:16]
 
 
@@ -103,6 +106,8 @@ def _load() -> bool:
 
         directory = build_root() / build_key()
         directory.mkdir(parents=True, exist_ok=True)
+        for header in HEADERS:
+            _staged(header, directory)
         cpp_extension.load(
             name=f"tokenswift_kernels_{build_key()}",
             sources=[str(_staged(source, directory)) for source in SOURCES],

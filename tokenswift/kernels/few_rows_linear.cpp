@@ -26,6 +26,8 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
+#include "amx.h"
+
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -248,27 +250,10 @@ void run(const T* x, const T* w, const T* bias, T* y, int64_t n, int64_t K, int6
 // x up to 16 rows), four C tiles of 16 output rows x n float32 accumulators. Each C
 // element is the sum over K-steps of the same tile products whatever n: a row's result
 // does not depend on the other rows. Used where K is a multiple of 32 and O of 16.
-#include <sys/syscall.h>
-#include <unistd.h>
-
 constexpr int64_t kAmxGroup = 4;  // C tiles: 4 x 16 output rows per pass over K
 
-bool amx_permitted() {
-  // The kernel (Linux) hands out the AMX register state per process on request.
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 void configure_tiles(int64_t cols) {
-  TileConfig config;
+  tokenswift_amx::TileConfig config;
   for (int t = 0; t < 4; ++t) {  // tmm0-3: C, 16 output rows x cols float32
     config.rows[t] = 16;
     config.colsb[t] = static_cast<uint16_t>(cols * 4);
@@ -344,7 +329,7 @@ void run_amx(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16
   });
 }
 
-bool amx_serves(int64_t K, int64_t O) { return K % 32 == 0 && O % 16 == 0 && amx_permitted(); }
+bool amx_serves(int64_t K, int64_t O) { return K % 32 == 0 && O % 16 == 0 && tokenswift_amx::permitted(); }
 #else
 bool amx_serves(int64_t, int64_t) { return false; }
 void run_amx(const c10::BFloat16*, const c10::BFloat16*, const c10::BFloat16*, c10::BFloat16*, int64_t, int64_t, int64_t) {}
@@ -384,7 +369,7 @@ at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& weight, const 
 
 std::string few_rows_linear_path() {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  if (amx_permitted()) return "amx";
+  if (tokenswift_amx::permitted()) return "amx";
 #endif
 #if defined(__AVX512BF16__)
   return "avx512-bf16";
