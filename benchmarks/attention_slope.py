@@ -50,7 +50,7 @@ def main() -> None:
     runner = Runner(model)
     runner.allocate(max(args.contexts) + 2)
     token = torch.tensor([5])
-    served = kernels.MAX_TOKENS
+    served = kernels.max_tokens
     times = {"kernel": {}, "pytorch": {}}
     for context in args.contexts:
         runner.store.reset()
@@ -58,18 +58,19 @@ def main() -> None:
         samples = {"kernel": [], "pytorch": []}
         for i in range(args.repeats):
             for path in ("kernel", "pytorch") if i % 2 == 0 else ("pytorch", "kernel"):
-                kernels.MAX_TOKENS = served if path == "kernel" else 0
+                # the kernel serves up to max_tokens(dtype) new tokens (per CPU path): 0 turns it off
+                kernels.max_tokens = served if path == "kernel" else (lambda dtype: 0)
                 started = time.perf_counter()
                 runner.forward(token)
                 samples[path].append(time.perf_counter() - started)
-        kernels.MAX_TOKENS = served
+        kernels.max_tokens = served
         for path, values in samples.items():
             times[path][context] = 1000 * statistics.median(values[2:])
         print(context, {path: round(times[path][context], 2) for path in times}, flush=True)
     bandwidth = read_bandwidth()
     kv_per_position = 2 * runner.num_layers * runner.kv_heads * runner.head_dim * model.dtype.itemsize
     floor = kv_per_position * 1000 / (bandwidth * 1e9) * 1000  # ms per 1K positions
-    low, high = args.contexts[len(args.contexts) // 2 - 1], args.contexts[-1]
+    low, high = args.contexts[(len(args.contexts) - 1) // 2], args.contexts[-1]
     lines = ["| path | " + " | ".join(f"{c:,} positions" for c in args.contexts) + f" | ms per 1K ({low // 1024}K-{high // 1024}K) |",
              "|---|" + "---|" * (len(args.contexts) + 1)]
     for path in times:
