@@ -350,6 +350,7 @@ int64_t logits_amx(const c10::BFloat16* qb, float scale, int64_t R, const c10::B
   const int64_t whole = len / 16 * 16;
   alignas(64) uint32_t b[kSteps * 16 * 16];
   alignas(64) float c[4 * 16 * 16];
+  const __m512 scale_v = _mm512_set1_ps(scale);
   for (int64_t r0 = 0; r0 < R; r0 += 16) {
     const int64_t cols = std::min<int64_t>(16, R - r0);
     for (int64_t st = 0; st < kSteps; ++st)
@@ -368,6 +369,8 @@ int64_t logits_amx(const c10::BFloat16* qb, float scale, int64_t R, const c10::B
     config.colsb[7] = static_cast<uint16_t>(cols * 4);
     _tile_loadconfig(&config);
     const int64_t rowb = cols * 4;
+    const __m512i key_offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                   _mm512_set1_epi32(static_cast<int32_t>(cols)));
     if constexpr (kSteps == 2) {
       _tile_loadd(4, b, rowb);
       _tile_loadd(7, b + 16 * cols, rowb);
@@ -429,9 +432,12 @@ int64_t logits_amx(const c10::BFloat16* qb, float scale, int64_t R, const c10::B
       if (groups > 1) _tile_stored(1, c + 16 * cols, rowb);
       if (groups > 2) _tile_stored(2, c + 32 * cols, rowb);
       if (groups > 3) _tile_stored(3, c + 48 * cols, rowb);
-      for (int64_t r = 0; r < cols; ++r) {
+      for (int64_t r = 0; r < cols; ++r) {  // key-major C to the rows' logits, 16 keys a gather
         float* dst = logits + (r0 + r) * len + j0;
-        for (int64_t j = 0; j < 16 * groups; ++j) dst[j] = c[j * cols + r] * scale;
+        for (int64_t gi = 0; gi < groups; ++gi) {
+          const __m512i at = _mm512_add_epi32(key_offsets, _mm512_set1_epi32(static_cast<int32_t>(gi * 16 * cols + r)));
+          _mm512_storeu_ps(dst + 16 * gi, _mm512_mul_ps(_mm512_i32gather_ps(at, c, 4), scale_v));
+        }
       }
     }
   }
