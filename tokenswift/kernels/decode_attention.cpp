@@ -365,16 +365,10 @@ int64_t logits_amx(const c10::BFloat16* qb, float scale, int64_t R, const c10::B
       config.rows[t] = 16;
       config.colsb[t] = 64;
     }
-    config.rows[7] = 16;  // tmm7: the second dim step's B where there are two
-    config.colsb[7] = static_cast<uint16_t>(cols * 4);
     _tile_loadconfig(&config);
     const int64_t rowb = cols * 4;
     const __m512i key_offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                                    _mm512_set1_epi32(static_cast<int32_t>(cols)));
-    if constexpr (kSteps == 2) {
-      _tile_loadd(4, b, rowb);
-      _tile_loadd(7, b + 16 * cols, rowb);
-    }
     int64_t j0 = 0;
     for (; j0 < whole; j0 += 64) {
       const int64_t groups = std::min<int64_t>(4, (whole - j0) / 16);
@@ -387,30 +381,6 @@ int64_t logits_amx(const c10::BFloat16* qb, float scale, int64_t R, const c10::B
       _tile_zero(1);
       _tile_zero(2);
       _tile_zero(3);
-      if constexpr (kSteps == 2) {  // the query's two B tiles stay loaded (tmm4, tmm7)
-        _tile_loadd(5, a, bytes);
-        _tile_loadd(6, a + 32, bytes);
-        _tile_dpbf16ps(0, 5, 4);
-        _tile_dpbf16ps(0, 6, 7);
-        if (groups > 1) {
-          _tile_loadd(5, a + 16 * stride, bytes);
-          _tile_loadd(6, a + 16 * stride + 32, bytes);
-          _tile_dpbf16ps(1, 5, 4);
-          _tile_dpbf16ps(1, 6, 7);
-        }
-        if (groups > 2) {
-          _tile_loadd(5, a + 32 * stride, bytes);
-          _tile_loadd(6, a + 32 * stride + 32, bytes);
-          _tile_dpbf16ps(2, 5, 4);
-          _tile_dpbf16ps(2, 6, 7);
-        }
-        if (groups > 3) {
-          _tile_loadd(5, a + 48 * stride, bytes);
-          _tile_loadd(6, a + 48 * stride + 32, bytes);
-          _tile_dpbf16ps(3, 5, 4);
-          _tile_dpbf16ps(3, 6, 7);
-        }
-      } else
       for (int64_t st = 0; st < kSteps; ++st) {
         _tile_loadd(4, b + st * 16 * cols, rowb);
         _tile_loadd(5, a + st * 32, bytes);
@@ -552,8 +522,10 @@ void chunk_blocked(const float* q, const c10::BFloat16* qb, float scale, int64_t
   constexpr int64_t D = NV * 16;
   int64_t j0 = 0;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  // bfloat16 keys and values, an exactly-bfloat16 query, rows enough to repay the tiles
+  const bool tiles = std::is_same<scalar_t, c10::BFloat16>::value && qb != nullptr && R >= kAmxRows && tokenswift_amx::permitted();
   if constexpr (std::is_same<scalar_t, c10::BFloat16>::value && NV % 2 == 0)
-    if (qb != nullptr && R >= kAmxRows && tokenswift_amx::permitted()) j0 = logits_amx<NV>(qb, scale, R, k, stride, start, len, logits);
+    if (tiles) j0 = logits_amx<NV>(qb, scale, R, k, stride, start, len, logits);
 #endif
 #if defined(__AVX512BF16__)
   // bfloat16 keys and an exactly-bfloat16 query (qb): pairs of products summed in
@@ -619,7 +591,7 @@ void chunk_blocked(const float* q, const c10::BFloat16* qb, float scale, int64_t
   }
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   if constexpr (std::is_same<scalar_t, c10::BFloat16>::value && NV % 4 == 0) {
-    if (qb != nullptr && R >= kAmxRows && tokenswift_amx::permitted()) {
+    if (tiles) {
       const int64_t lenp = (len + 31) / 32 * 32;
       probabilities_bf16(logits, R, len, pb, lenp);
       values_amx<NV>(pb, lenp, R, v, stride, start, len, out);
