@@ -143,10 +143,13 @@ def test_presets_are_also_reported_against_compiled_ar():
     assert "| 16 | greedy | ar+compiled |" in contexts_markdown(sweep)
 
 
-@pytest.mark.parametrize(("presets", "trees"), [(["tokenswift"], True), (["ar"], False), (["eagle"], True)])
-def test_contexts_sweep_compiles_tree_sizes_before_the_timed_turns(monkeypatch, presets, trees):
-    """With the compiled baseline, the sweep compiles before any turn what a speculative
-    preset's compiled run would compile mid-turn: its tree sizes."""
+@pytest.mark.parametrize(("presets", "trees", "compiled"), [
+    (["tokenswift"], True, None), (["ar"], False, None), (["eagle"], True, None), (["eagle"], True, True), (["ar"], False, True),
+])
+def test_contexts_sweep_compiles_tree_sizes_before_the_timed_turns(monkeypatch, presets, trees, compiled):
+    """With the compiled baseline, or every method compiled (``bench --contexts --compile
+    on``), the sweep compiles before any turn what a speculative preset's compiled run
+    would compile mid-turn: its tree sizes."""
     import torch
 
     from tokenswift.testing import FIXED_TREE
@@ -158,6 +161,6 @@ def test_contexts_sweep_compiles_tree_sizes_before_the_timed_turns(monkeypatch, 
     text = torch.randint(0, 64, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     contexts.run_contexts(
         model, None, lambda n: text[:n], contexts=[12], new_tokens=4, presets=presets, decodings=["greedy"], seeds=[0],
-        heads="random", overrides=FIXED_TREE, bandwidth=1e10,
+        heads="random", overrides={**FIXED_TREE, **({"model": {"compile": True}} if compiled else {})}, bandwidth=1e10,
     )
     assert asked == [trees]

@@ -59,6 +59,7 @@ def test_spec_file(tmp_path, model_dir, capsys):
         (["frobnicate"], "invalid choice: 'frobnicate'"),
         (["bench", "--contexts", "1", "2048"], "--contexts must be prompt lengths of at least 2 tokens, got [1]"),
         (["bench", "--contexts", "2048", "--interleaved"], "--contexts is its own comparison"),
+        (["bench", "--contexts", "2048", "--compile", "all"], "--compile all is for --interleaved; --contexts takes --compile off or on"),
         (["bench", "--contexts", "2048", "--methods", "ar,nope"], "--contexts compares presets and references; unknown ['nope']"),
         (["bench", "--contexts", "2048", "--new-tokens", "0"], "--new-tokens must be positive, got 0"),
     ],

@@ -137,8 +137,11 @@ def prefilled(model, tokens, capacity=64):
     return pipe, state
 
 
-@pytest.mark.parametrize("arch", ["llama-mha", "llama-gqa", "qwen2"])
-def test_dynamic_selection_equals_brute_force_attention_top_k(arch):
+@pytest.mark.parametrize(("arch", "block"), [("llama-mha", 4096), ("llama-gqa", 4096), ("qwen2", 4096), ("llama-gqa", 7)])
+def test_dynamic_selection_equals_brute_force_attention_top_k(arch, block, monkeypatch):
+    from tokenswift.model import plan
+
+    monkeypatch.setattr(plan, "RECORD_BLOCK", block)  # 7: the recorder's keys in blocks, a ragged last one
     model = tiny_model_for(arch)
     tokens = torch.randint(0, 64, (30,), generator=torch.Generator().manual_seed(0)).tolist()
     pipe, state = prefilled(model, tokens)

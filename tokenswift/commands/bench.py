@@ -49,9 +49,11 @@ def add_arguments(parser) -> None:
         "--seeds", type=int, nargs="+", help="with --interleaved or --contexts: one comparison per seed, summed"
     )
     parser.add_argument(
-        "--compile", choices=("off", "on", "both", "all"), default="off",
-        help="with --interleaved: presets eager (off), compiled (on), both side by side (PRESET+compiled), or all "
-        "three with compile = auto (PRESET+auto); the compile time is reported",
+        "--compile", choices=("off", "on", "both", "all"),
+        help="with --interleaved: presets eager (off, the default), compiled (on), both side by side "
+        "(PRESET+compiled), or all three with compile = auto (PRESET+auto); the compile time is reported. "
+        "With --contexts: every method eager (off) or compiled (on, its ar then the baseline); "
+        "default: as each preset's compile = auto decides",
     )
     parser.add_argument(
         "--no-compiled-baseline", dest="compiled_baseline", action="store_false",
@@ -76,6 +78,8 @@ def run(args, argv: list[str] | None = None) -> int:
     if args.new_tokens is None:
         args.new_tokens = DEFAULT_NEW_TOKENS
     if args.interleaved:
+        if args.compile is None:
+            args.compile = "off"
         return run_interleaved(args)
     from tqdm import tqdm
 
@@ -207,6 +211,10 @@ def run_contexts(args) -> int:
 
     if args.interleaved or args.quick or args.long:
         raise CliError("--contexts is its own comparison; it takes no --interleaved, --quick or --long")
+    if args.compile in ("both", "all"):
+        raise CliError(f"--compile {args.compile} is for --interleaved; --contexts takes --compile off or on "
+                       "(or neither: each preset's compile = auto)")
+    compiled = {"off": False, "on": True}.get(args.compile)  # None: as each preset decides
     from tokenswift.presets import PAPER_PENALTY
     from tokenswift.tools import llamacpp
 
@@ -258,8 +266,9 @@ def run_contexts(args) -> int:
         "model": args.model, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "device": args.device,
         "machine": machine_name(device), "threads": torch_threads(), "rope": rope, "new_tokens": new_tokens,
         "seeds": seeds, "presets": presets, "decodings": args.decodings, "compiled_baseline": args.compiled_baseline,
+        "compile": "auto" if compiled is None else compiled,
     }
-    methods = len(presets if "ar" in presets else ["ar", *presets]) + int(args.compiled_baseline)
+    methods = len(presets if "ar" in presets else ["ar", *presets]) + int(args.compiled_baseline and compiled is not True)
     methods += len(references)
     runs = methods * len(args.decodings) * len(seeds)
     bar = tqdm(total=new_tokens * runs * len(contexts), unit="tok", file=sys.stderr, dynamic_ncols=True)
@@ -281,6 +290,7 @@ def run_contexts(args) -> int:
     report = sweep(
         model, tokenizer, lambda n: prompt_ids(tokenizer, n), contexts=contexts, new_tokens=new_tokens, references=loaded,
         presets=presets, decodings=args.decodings, seeds=seeds, heads=args.heads,
+        overrides=None if compiled is None else {"model": {"compile": compiled}},
         compiled_baseline=args.compiled_baseline, progress=lambda name, count: bar.update(count), on_context=write,
     )
     bar.close()

@@ -115,7 +115,7 @@ def run_contexts(
     baseline = "ar" if ar_compiled else COMPILED_AR if compiled_baseline else None
     bandwidth = bandwidth or measure_bandwidth(next(model.parameters()).device)
     report = {"bandwidth_gb_s": round(bandwidth / 1e9, 2), "rows": [], "prefill_seconds": {}}
-    if COMPILED_AR in names:
+    if COMPILED_AR in names or ar_compiled:
         # The tree sizes a speculative preset would compile too, before any timed turn: a
         # cold compile met mid-turn (minutes on two cores) was once counted as decoding.
         speculative = any(preset != "ar" for preset, _ in variants.values())
