@@ -89,26 +89,6 @@ def test_tracker_corrects_a_miscalibrated_proposer():
     assert tracker.corrected(RETRIEVER, 1, None) > 0.9
 
 
-def test_tracker_tells_a_favourite_from_its_siblings_of_the_same_confidence():
-    """Greedy verification takes the favourite far more often than a sibling the draft
-    rated as likely: the tracker learns them apart, and the choice then prefers the
-    favourite's child to the sibling."""
-    from tokenswift.speculation import chances, favourites
-
-    tracker = AcceptanceTracker()
-    tree = DraftTree.root_only(0)
-    tree.add_branches([Branch([1, 2], [0.3, 0.3]), Branch([3], [0.25])])  # node 1 (favourite) -> 2; node 3 its sibling
-    assert favourites(tree) == [False, True, True, False]
-    for _ in range(60):  # the favourite and its child always accepted, the sibling never
-        tracker.observe(tree, [1, 2])
-    assert tracker.corrected(DRAFTER, 1, 0.3, favourite=True) > 0.9
-    assert tracker.corrected(DRAFTER, 1, 0.25, favourite=False) < 0.1  # the same bin as 0.3
-    chance = chances(tree, tracker)
-    assert chance[2] > 0.8 > 0.1 > chance[3]
-    two = choose(tree, tracker, CostModel(calibration(0.0)), 64, max_nodes=2)
-    assert two.keep == [0, 1, 2]  # the favourite's child, not the sibling
-
-
 def test_choice_maximises_expected_tokens_per_second():
     tracker = AcceptanceTracker()
     tree = tree_with([0.9, 0.5, 0.2, 0.01])

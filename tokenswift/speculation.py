@@ -37,23 +37,12 @@ from tokenswift.tree import DRAFTER, RETRIEVER, DraftTree
 
 
 class AcceptanceTracker:
-    """Realised acceptance of verified nodes by (source, depth, favourite, confidence
-    bin), ``favourite`` telling whether the node is its parent's likeliest child from its
-    source (:func:`favourites`).
+    """Realised acceptance of verified nodes by (source, depth, confidence bin).
 
     A node is *tried* when verification reaches its parent, and *accepted* when the
     walk continues into it. The corrected confidence of a node is the bin's acceptance
     rate shrunk towards the proposer's own estimate by ``prior`` pseudo-trials (or
     towards its source and depth's rate, when it gave none).
-
-    Why the favourite: a draft's probability says little about its rank among its
-    siblings, and the rank is what greedy (and coupled) verification rewards. The
-    ``eagle`` layer's favourites carried draft probabilities of 0.1-0.6 and were
-    accepted most of the time, their siblings with the same probabilities far less: in
-    one bin, both were priced alike, and the choice verified siblings where the
-    favourite's child was likelier. Kept apart: 1.94 -> 2.15 tokens per step greedy,
-    1.15 -> 1.30 sampling (``eagle``, compiled, 2K held-out prompt, 512 new tokens,
-    2-core Sapphire Rapids).
     """
 
     BINS = (0.0, 0.01, 0.03, 0.1, 0.2, 0.35, 0.5, 0.7, 0.9)  # lower edges of the confidence bins
@@ -75,21 +64,20 @@ class AcceptanceTracker:
         key = (source, min(depth, self.max_depth))
         return (self.accepted_by_depth[key] + self.prior * self.default) / (self.tried_by_depth[key] + self.prior)
 
-    def corrected(self, source: int, depth: int, confidence: float | None, favourite: bool = True) -> float:
+    def corrected(self, source: int, depth: int, confidence: float | None) -> float:
         depth = min(depth, self.max_depth)
-        key = (source, depth, bool(favourite), self._bin(confidence))
+        key = (source, depth, self._bin(confidence))
         prior = self.depth_rate(source, depth) if confidence is None else min(max(confidence, 0.0), 1.0)
         return (self.accepted[key] + self.prior * prior) / (self.tried[key] + self.prior)
 
     def observe(self, tree: DraftTree, accepted: list[int]) -> None:
         """Count every child of the root and of the accepted nodes as tried."""
         taken = set(accepted)
-        favourite = favourites(tree)
         for parent in [0, *accepted]:
             for child in tree.children(parent).values():
                 source, depth = tree.sources[child], min(tree.depths[child], self.max_depth)
                 hit = 1.0 if child in taken else 0.0
-                key = (source, depth, favourite[child], self._bin(tree.confidence[child]))
+                key = (source, depth, self._bin(tree.confidence[child]))
                 self.tried[key] += 1
                 self.accepted[key] += hit
                 self.tried_by_depth[(source, depth)] += 1
@@ -127,30 +115,12 @@ class Choice:
         return path
 
 
-def favourites(tree: DraftTree) -> list[bool]:
-    """For each node, whether it is its parent's likeliest child from its own source: the
-    highest confidence among them (the first added on a tie; a node without a
-    confidence counts as the least likely). False for the root."""
-    best: dict[tuple[int, int], tuple[float, int]] = {}
-    for node in range(1, len(tree)):
-        key = (tree.parents[node], tree.sources[node])
-        confidence = tree.confidence[node]
-        rating = -1.0 if confidence is None else confidence
-        if key not in best or rating > best[key][0]:
-            best[key] = (rating, node)
-    flags = [False] * len(tree)
-    for _, node in best.values():
-        flags[node] = True
-    return flags
-
-
 def chances(tree: DraftTree, tracker: AcceptanceTracker) -> list[float]:
     """Each node's chance of being accepted (1 for the root): corrected confidences
     multiplied along its path."""
     chance = [1.0] * len(tree)
-    favourite = favourites(tree)
     for node in range(1, len(tree)):  # parents come before their children
-        q = tracker.corrected(tree.sources[node], tree.depths[node], tree.confidence[node], favourite[node])
+        q = tracker.corrected(tree.sources[node], tree.depths[node], tree.confidence[node])
         chance[node] = chance[tree.parents[node]] * q
     return chance
 
