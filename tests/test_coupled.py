@@ -87,7 +87,7 @@ class Adversary:
 @settings(max_examples=12, deadline=None)
 @given(
     dtype=st.sampled_from(["float32", "float64"]),
-    drafter=st.sampled_from(["noise-chaser", "eagle", "tokenswift", "medusa"]),
+    drafter=st.sampled_from(["noise-chaser", "eagle", "eagle-pass", "tokenswift", "medusa"]),
     tree=st.sampled_from(["auto", "fixed"]),
     seed=st.integers(0, 2**40),
 )
@@ -96,9 +96,10 @@ def test_drafts_that_see_the_noise_never_change_a_token(dtype, drafter, tree, se
     if "adversary" not in {name for name, _ in pm.list_name_plugin()}:
         pm.register(Adversary(), name="adversary")
     drafters = {"noise-chaser": {"name": "noise-chaser"}, "eagle": {"name": "eagle", "weights": "random", "threshold": 0.0},
+                "eagle-pass": {"name": "eagle", "weights": "random", "threshold": 0.0, "root_pass": True},
                 "tokenswift": {"name": "tokenswift", "heads": "random"}, "medusa": {"name": "medusa", "heads": "random"}}
     spec = {"preset": "ar", "drafter": drafters[drafter], "sampling": SAMPLING, "speculation": {"tree": tree},
-            "cache": {"name": "dynamic", "budget": 14, "sink": 2, "recent": 4} if drafter == "tokenswift" else {"name": "full"}}
+            "cache": {"name": "dynamic", "budget": 14, "sink": 2, "recent": 4} if drafter in ("tokenswift", "eagle-pass") else {"name": "full"}}
     pipe = Pipeline.from_spec(spec, tiny_model_for("llama-gqa", dtype), plugin_manager=pm)
     assert_lossless(pipe, [5, 6, 7, 8, 5, 6, 7], 24, seed=seed)
 

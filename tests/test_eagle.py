@@ -190,6 +190,87 @@ def test_token_losses_mask_greedy_tokens_outside_the_draft_vocabulary():
     assert torch.equal(soft_out[1], soft[1]) and torch.equal(hard_out[1], hard[1])  # level 2 untouched
 
 
+@pytest.mark.parametrize("sampling", [{"greedy": True}, {"temperature": 1.0, "min_p": 0.1}], ids=["greedy", "sampled"])
+def test_with_a_root_pass_depth_one_is_the_token_the_target_draws(sampling, tmp_path):
+    """drafter.root_pass: over the whole context the pass's depth 1 is scored as
+    verification scores the root's next token (penalty and warpers included) and ranked
+    as the target draws it (greedy: the argmax; sampled: the coupled favourite), so
+    with fixed trees every step accepts a draft; without the pass, the random layer's
+    depth 1 misses."""
+    model = tiny_model_for("llama-gqa", "float64")
+    weights = decisive_net(model, tmp_path)
+
+    def accepted(root_pass):
+        drafter = {"weights": weights, "root_pass": root_pass, "depth": 2, "width": 2, "children": 2, "threshold": 0.0}
+        spec = {"preset": "eagle", "drafter": drafter, "retriever": {"name": "none"},
+                "penalty": {"name": "contextual", "value": 1.5, "window": 8}, "sampling": sampling, **FIXED_TREE}
+        assert_lossless(Pipeline.from_spec(spec, model), [5, 9, 17, 3, 8, 5, 9], 40, seed=3)
+        return drafts_accepted(Pipeline.from_spec(spec, model), [5, 9, 17, 3, 8, 5, 9], 40, seed=3)
+
+    assert min(accepted(True)) >= 1
+    assert min(accepted(False)) == 0
+
+
+def drafts_accepted(pipe, prompt, new_tokens, seed) -> list[int]:
+    """Drafts accepted per step, but for the last step (which the token budget may cut short)."""
+    return [record.accepted for record in pipe.start(prompt, new_tokens, seed=seed, ignore_eos=True).steps()][:-1]
+
+
+@pytest.mark.parametrize("fused", [(), (1,)], ids=["final-norm", "fused"])
+def test_with_a_root_pass_depth_two_is_drafted_from_the_roots_own_features(fused, tmp_path, monkeypatch):
+    """The depth-1 node's pair in the draft layer carries the target's feature of the
+    root's position (from the pass; with fused layers, their outputs too), not the
+    layer's prediction of it."""
+    model = tiny_model_for("llama-gqa", "float64")
+    weights = decisive_net(model, tmp_path, fused=fused)
+    drafter = {"weights": weights, "root_pass": True, "depth": 2, "width": 1, "children": 1, "threshold": 0.0}
+    spec = {"preset": "eagle", "drafter": drafter, "retriever": {"name": "none"}, "sampling": {"greedy": True},
+            "penalty": {"name": "none"}, **FIXED_TREE}
+    pipe = Pipeline.from_spec(spec, model)
+    generation = pipe.start([5, 9, 17, 3, 8, 2], 12, seed=0, ignore_eos=True)
+    steps = generation.steps()
+    next(steps)
+    with torch.no_grad():  # the target over the committed text, the root last
+        out = model.get_decoder()(input_ids=torch.tensor([generation.state.tokens]), output_hidden_states=True)
+    root = torch.cat([out.hidden_states[k][0, -1] for k in fused] + [out.last_hidden_state[0, -1]])
+    seen = []
+    extend = pipe.drafter.net.extend
+
+    def spy(embeds, features, *args):
+        seen.append(features.clone())
+        return extend(embeds, features, *args)
+
+    monkeypatch.setattr(pipe.drafter.net, "extend", spy)
+    next(steps)
+    assert len(seen) == 2  # the committed pairs, then the depth-1 node's pair
+    with torch.no_grad():
+        expected = pipe.drafter.net.feature(root.to(torch.float32))
+    torch.testing.assert_close(seen[1][0], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_tokenswift_drafter_drafts_with_a_layer_after_its_pass_where_asked(tmp_path):
+    """drafter.levels: "layer" drafts below the pass with the eagle network (fed the
+    pass's feature); "auto" takes it where no heads are named and a layer is given (or
+    shipped for the model), else the heads; a bad value is a clear error."""
+    model = tiny_model_for("llama-gqa", "float64")
+    weights = decisive_net(model, tmp_path)
+    base = {"cache": {"name": "full"}, "retriever": {"name": "none"}, "sampling": {"greedy": True},
+            "penalty": {"name": "none"}, **FIXED_TREE}
+
+    def pipe(drafter):
+        return Pipeline.from_spec("tokenswift", model, overrides={**base, "drafter": drafter})
+
+    layered = pipe({"levels": "layer", "weights": weights})
+    assert isinstance(layered.drafter.layer, EagleDrafter) and layered.drafter.layer.options.root_pass
+    assert_lossless(layered, [5, 9, 17, 3, 8, 5, 9], 40, seed=1)
+    assert min(drafts_accepted(layered, [5, 9, 17, 3, 8, 5, 9], 40, seed=1)) >= 1  # depth 1 is the pass's: right every step
+    assert pipe({"weights": weights}).drafter.layer is not None  # auto: no heads named, a layer given
+    assert pipe({"heads": "random", "weights": weights}).drafter.layer is None  # heads named: the heads
+    assert pipe({"heads": "random"}).drafter.layer is None  # no layer shipped for a tiny model
+    with pytest.raises(SpecError, match="drafter.levels must be one of"):
+        pipe({"levels": "network"})
+
+
 def test_a_smaller_draft_vocabulary_drafts_only_its_tokens(tmp_path):
     model = tiny_model_for("llama-mha", "float64")
     weights = decisive_net(model, tmp_path)

@@ -14,6 +14,7 @@ DRAFTERS = {
     "tokenswift": {"name": "tokenswift", "heads": "random", "tree": [2, 2, 2, 1]},
     "medusa": {"name": "medusa", "heads": "random", "tree": [[0], [1], [0, 0], [0, 1], [0, 0, 0]]},
     "eagle": {"name": "eagle", "weights": "random", "depth": 3, "width": 2, "children": 2, "threshold": 0.0},
+    "eagle-pass": {"name": "eagle", "weights": "random", "depth": 3, "width": 2, "children": 2, "threshold": 0.0, "root_pass": True},
 }
 RETRIEVERS = {
     "none": {"name": "none"},

@@ -190,8 +190,13 @@ def test_rejection_sampling_is_exactly_autoregressive(model):
 
 
 @pytest.mark.parametrize(
-    "eagle", [{"depth": 1, "children": 2}, {"depth": 2, "width": 1, "children": 1, "threshold": 0.0}],
-    ids=["two children drawn", "a chain drawn"],
+    "eagle",
+    [
+        {"depth": 1, "children": 2},
+        {"depth": 2, "width": 1, "children": 1, "threshold": 0.0},
+        {"depth": 2, "width": 1, "children": 2, "threshold": 0.0, "root_pass": True},
+    ],
+    ids=["two children drawn", "a chain drawn", "depth 1 drawn from a pass"],
 )
 def test_the_eagle_drafter_draws_from_its_q_and_stays_exact(model, eagle):
     spec = {**SPEC, "drafter": {"name": "eagle", "weights": "random", **eagle}, "retriever": {"name": "none"}}

@@ -34,9 +34,20 @@ def test_shipped_heads_come_with_a_fitted_tree_and_its_record():
 
 
 def test_the_tokenswift_preset_finds_and_uses_the_shipped_heads():
-    pipe = Pipeline.from_spec({"preset": "tokenswift", "model": {"path": "smollm2", "dtype": "float32"}, **FIXED_TREE})
+    spec = {"preset": "tokenswift", "model": {"path": "smollm2", "dtype": "float32"}, "drafter": {"levels": "heads"}}
+    pipe = Pipeline.from_spec({**spec, **FIXED_TREE})
     assert find_shipped_heads(pipe.model) == shipped_heads_root() / "smollm2"
     fitted = json.loads((shipped_heads_root() / "smollm2" / "tree.json").read_text())["paths"]
     assert pipe.drafter.paths == [tuple(p) for p in fitted]
     result = pipe.generate(demo_prompt()[-2000:], 32, seed=0, ignore_eos=True)
     assert result.stats.accepted_tokens > 0 and result.stats.tokens_per_step > 1.0  # drafts really accepted
+
+
+def test_the_tokenswift_preset_drafts_with_the_shipped_layer_after_its_pass():
+    """By default (``levels = "auto"``, no heads named) the preset drafts below its pass
+    with the eagle layer shipped for the model; with fixed trees the pass runs every
+    step over the whole (2K) context, so its depth 1 is the target's own draw."""
+    pipe = Pipeline.from_spec({"preset": "tokenswift", "model": {"path": "smollm2", "dtype": "float32"}, **FIXED_TREE})
+    assert pipe.drafter.layer is not None and pipe.drafter.layer.options.root_pass
+    result = pipe.generate(demo_prompt()[-2000:], 32, seed=0, ignore_eos=True)
+    assert result.stats.tokens_per_step > 1.9  # >= 2 every step but maybe the last

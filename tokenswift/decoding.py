@@ -104,7 +104,10 @@ class _RootPassRequest:
         self.ran = setup.speculator.run_pass(partial_view=view is not None)
         if self.ran:
             runner = setup.runner
-            output = runner.forward(torch.tensor([self.state.tokens[-1]]), view=view if view is not None else FullView(runner.store))
+            output = runner.forward(
+                torch.tensor([self.state.tokens[-1]]), view=view if view is not None else FullView(runner.store),
+                layers=setup.drafter.feature_layers,  # a drafter on fused features reads them of the root too
+            )
             self.result = RootPass(output=output, exact=view is None)
         return self.result
 

@@ -76,7 +76,8 @@ class DecodeState:
 @attrs.frozen(kw_only=True, eq=False)
 class RootPass:
     """A forward of the root (the last committed token) over the cache policy's
-    drafting view: ``output`` has logits [1, vocab] and hidden [1, hidden_size];
+    drafting view: ``output`` has logits [1, vocab], hidden [1, hidden_size] and the
+    drafter's features [1, F] (:attr:`Drafter.feature_layers`);
     ``exact``: the view was the whole context, so its logits are the ones verification
     will draw the root's token from."""
 

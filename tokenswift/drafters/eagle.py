@@ -78,6 +78,7 @@ class EagleDrafter(Drafter):
         penalize: bool = attrs.field(default=True, converter=boolean("drafter.penalize"))
         vocab: int = attrs.field(default=None, converter=int_at_least("drafter.vocab", 2, optional=True))
         seed: int = attrs.field(default=0, converter=integer("drafter.seed"))
+        root_pass: bool = attrs.field(default=False, converter=boolean("drafter.root_pass"))
 
     def __init__(self, options, context) -> None:
         super().__init__(options, context)
@@ -265,6 +266,35 @@ class EagleDrafter(Drafter):
         ids = [[self.draft_tokens[i] for i in row] for row in top.indices.tolist()]
         return ids, probs.gather(-1, top.indices).tolist(), None
 
+    def _first_from_pass(
+        self, root, state, k: int, noise: torch.Tensor | None, draw
+    ) -> tuple[list[list[int]], list[list[float]], torch.Tensor | None]:
+        """Depth 1 from the drafting pass (``root``: its logits [1, vocab] are the
+        target's for the root's next token over the drafting view): the scores
+        verification draws from, after the pipeline's penalty and warpers; over the
+        whole context they are exactly those. Returns what :meth:`_ranked` does, for
+        one row: greedy, the argmax alone (certain over the whole context, nearly so over
+        a partial view: the acceptance tracker corrects it); sampled, the k best by
+        the coupled rating; with ``draw``, k tokens drawn from the processed q."""
+        first = root.output.logits  # [1, vocab]
+        scorer = self.context.scorer
+        if scorer is None:
+            processed, greedy = first[0], False
+        else:
+            processed, greedy = scorer(scorer.context(state.tokens, device=first.device), first)[0], scorer.sampling.greedy
+        if draw is not None:
+            q = processed.double().softmax(-1)
+            ids = draw(q, k)
+            return [ids], [[float(q[t]) for t in ids]], q[None]
+        if greedy:
+            return [[int(processed.argmax())]], [[1.0]], None
+        probs = processed.float().softmax(-1)
+        ranking = probs if noise is None else None
+        if noise is not None:
+            ranking, probs = coupled_rating(probs, noise)
+        top = ranking.topk(min(k, ranking.shape[-1])).indices
+        return [top.tolist()], [probs[top].tolist()], None
+
     def _head_logits(self, features: torch.Tensor) -> torch.Tensor:
         """features [n, H] float32 -> [n, V'] float32 logits over the draft vocabulary."""
         if self.kernel_head and len(features) <= kernels.MAX_LINEAR_ROWS:
@@ -290,7 +320,14 @@ class EagleDrafter(Drafter):
         draw = (lambda depth: lambda q, k: inputs.draw_drafts(q, k, depth)) if inputs.sampled else (lambda depth: None)
         breadth = self.breadth_limit
         width, children = min(options.width, breadth), min(options.children, breadth)
-        ids, probs, q = self._ranked(root_feature[None], tail, [[]], children, inputs.noise(1), draw(1))
+        root = inputs.root_pass() if options.root_pass else None
+        if root is None:
+            ids, probs, q = self._ranked(root_feature[None], tail, [[]], children, inputs.noise(1), draw(1))
+        else:
+            # The target's own feature of the root's position, not the layer's guess of
+            # it: depth 2 is drafted as well as depth 1 is without a pass.
+            root_feature = self.net.feature(root.output.features[:1].to(device=self.runner.device, dtype=torch.float32))[0]
+            ids, probs, q = self._first_from_pass(root, state, children, inputs.noise(1), draw(1))
         sampled = [] if q is None else [SampledChildren([], q[0], ids[0], probs[0])]
         # A candidate the warpers filtered out (probability 0) can never be drawn: dropped.
         level = [_Node([t], [p], p, root_feature, []) for t, p in zip(ids[0], probs[0]) if p > 0]
