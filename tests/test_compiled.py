@@ -323,10 +323,13 @@ def test_the_cost_model_prices_a_compiled_tree_at_its_padded_size():
 
 
 def test_trees_compile_at_the_sizes_that_pay():
-    from tokenswift.compiling import TREE_SIZES, CompileCalibration, tree_sizes
+    from types import SimpleNamespace
+
+    from tokenswift.compiling import CompileCalibration, tree_sizes
 
     class Compiled:
         compiled = object()
+        config = SimpleNamespace(num_attention_heads=9, num_key_value_heads=3)
 
     measured = CompileCalibration(
         key="k", machine="m", contexts=(256,), eager_ms=(20.0,), compiled_ms=(10.0,), compile_seconds=1.0,
@@ -334,11 +337,27 @@ def test_trees_compile_at_the_sizes_that_pay():
     )
     untested = attrs.evolve(measured, tree_sizes=(), tree_eager_ms=(), tree_compiled_ms=())
     assert tree_sizes(Compiled, "auto", measured) == tree_sizes(Compiled, True, measured) == (4, 16)
-    assert tree_sizes(Compiled, True, untested) == TREE_SIZES and tree_sizes(Compiled, "auto", untested) == ()
+    assert tree_sizes(Compiled, True, untested) == (4, 5, 8, 16, 32) and tree_sizes(Compiled, "auto", untested) == ()
     Compiled.compiled = None
     assert tree_sizes(Compiled, True, measured) == ()
     with pytest.raises(ValueError, match="sizes must be >= 2"):
         Runner(tiny_model_for("llama-gqa", "float32")).use_compiled_trees((1, 4))
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "sizes"),
+    [(9, 3, (4, 5, 8, 16, 32)), (32, 8, (4, 8, 16, 32)), (4, 4, (4, 8, 16, 32)), (64, 8, (2, 4, 8, 16, 32)), (8, None, (4, 8, 16, 32))],
+)
+def test_a_tree_size_fills_one_tile_of_the_decode_kernels_rows(heads, kv_heads, sizes):
+    """Besides 4, 8, 16, 32: the most new tokens whose query rows (g per KV head) fit
+    the kernel's 16-row tile, e.g. 5 for 9 query / 3 KV heads (a 5-token tree padded to
+    8 would pay for a second row group)."""
+    from types import SimpleNamespace
+
+    from tokenswift.compiling import tree_sizes_for
+
+    config = SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads)
+    assert tree_sizes_for(SimpleNamespace(config=config)) == sizes
 
 
 def test_prompt_chunks_never_run_through_tree_graphs():

@@ -39,8 +39,26 @@ AUTO_MIN_PARAMETERS = 20_000_000
 # 2-core CPU) only for a run this long, which such a measurement can repay.
 AUTO_CALIBRATE_MIN_TOKENS = 8192
 COMPILE_CONTEXTS = (256, 2048)
-# Tree verify forwards compile at these padded sizes (each a graph), where they pay.
+# Tree verify forwards compile at these padded sizes (each a graph), where they pay,
+# and at the most new tokens whose query rows fit one 16-row tile of the decode kernel
+# (:func:`tree_sizes_for`).
 TREE_SIZES = (4, 8, 16, 32)
+KERNEL_TILE_ROWS = 16
+
+
+def tree_sizes_for(runner) -> tuple[int, ...]:
+    """:data:`TREE_SIZES` and ``16 // g`` new tokens (``g``: query heads per KV head),
+    the most whose rows one tile of the decode kernel's AMX path takes: a forward of
+    that many costs about what one token's does at long contexts, one more starts a
+    second row group. For 9 query / 3 KV heads that is 5: on a 2-core Sapphire Rapids
+    at 32K positions a 5-token verify padded to 8 took 73 ms, compiled at 5 ~55, one
+    token 53 (and trees of root + 4 drafts are what the tree choice wants there)."""
+    config = runner.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    aligned = KERNEL_TILE_ROWS // max(1, heads // kv_heads)
+    extra = (aligned,) if 2 <= aligned < max(TREE_SIZES) else ()
+    return tuple(sorted(set(TREE_SIZES + extra)))
 
 
 @attrs.frozen(kw_only=True)
@@ -114,11 +132,13 @@ def _extrapolate(xs, ys, x):
     return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 0.0)
 
 
-def measure_compile(runner, *, repeats: int = 5, tree_sizes: tuple[int, ...] = TREE_SIZES) -> CompileCalibration:
+def measure_compile(runner, *, repeats: int = 5, tree_sizes: tuple[int, ...] | None = None) -> CompileCalibration:
     """Compile ``runner``'s one-token forward and time it against the eager one, in
-    turns, at :data:`COMPILE_CONTEXTS`; then each of ``tree_sizes`` as a verify
-    forward at the last context (leaves the store empty and the runner eager).
+    turns, at :data:`COMPILE_CONTEXTS`; then each of ``tree_sizes`` (default
+    :func:`tree_sizes_for` the model) as a verify forward at the last context (leaves
+    the store empty and the runner eager).
     Raises :class:`~tokenswift.model.compiled.CompileUnavailable` where it cannot compile."""
+    tree_sizes = tree_sizes_for(runner) if tree_sizes is None else tuple(tree_sizes)
     contexts = measured_contexts(runner, COMPILE_CONTEXTS)
     runner.allocate(max(contexts) + max((1, *tree_sizes)) + 1)
     compiled = runner.use_compiled(True)
@@ -235,12 +255,14 @@ def compile_trees_now(runner, choice: str | bool = True) -> float:
 def tree_sizes(runner, choice: str | bool, calibration: CompileCalibration | None) -> tuple[int, ...]:
     """The padded tree sizes whose verify forwards run compiled while one-token
     forwards do: those the calibration measured faster compiled (``true`` without a
-    tree measurement: all of :data:`TREE_SIZES`; ``auto``: none until measured)."""
+    tree measurement: all of :func:`tree_sizes_for` the model; ``auto``: none until
+    measured). A calibration measured before the model's sizes were what they are
+    (:func:`tree_sizes_for`) counts for the sizes it measured."""
     if runner.compiled is None:
         return ()
     if calibration is not None and calibration.tree_sizes:
         return calibration.paying_tree_sizes
-    return TREE_SIZES if choice is True else ()
+    return tree_sizes_for(runner) if choice is True else ()
 
 
 def _auto_pays(runner, context: int, new_tokens: int, calibration: CompileCalibration | None) -> bool:
