@@ -411,6 +411,35 @@ def test_the_head_product_goes_through_the_kernel_in_bfloat16_where_the_runner_u
     assert not float_pipe.drafter.kernel_head and float_pipe.drafter.head.dtype == torch.float32
 
 
+def test_the_root_pass_runs_outside_the_layers_kernel_products(monkeypatch):
+    """The layer's few-row products go through the kernel (a function mode switched on
+    for the proposal); the target's pass must not run under it: its compiled forward
+    would be traced anew (12 s at a 32K run's first step) and its products changed."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    from tokenswift import kernels
+    from tokenswift.model.linear import KernelLinears
+
+    if not kernels.available():
+        pytest.skip("the kernels cannot be built on this machine")
+    monkeypatch.setenv(kernels.LINEARS_ENV, "kernel")
+    model = tiny_model_for("llama-gqa", "bfloat16")
+    spec = {"preset": "eagle", **FIXED_TREE, "drafter": {"weights": "random", "root_pass": True}}
+    pipe = Pipeline.from_spec(spec, model)
+    assert pipe.drafter.kernel_head
+    passes = []
+    forward = pipe.runner.forward
+
+    def spy(tokens, **kwargs):
+        if kwargs.get("view") is not None:  # a drafting pass (verify forwards stage into the store)
+            passes.append(any(isinstance(mode, KernelLinears) for mode in _get_current_function_mode_stack()))
+        return forward(tokens, **kwargs)
+
+    monkeypatch.setattr(pipe.runner, "forward", spy)
+    pipe.generate([1, 5, 9, 2, 7, 3, 1, 5, 9, 2], 12, seed=0, ignore_eos=True)
+    assert passes and not any(passes)
+
+
 def test_coupled_candidates_are_ranked_on_the_untruncated_draft_plus_the_noise(tmp_path):
     """Coupled to the draw, a depth's candidates are the top of log q + G with q after the
     penalty and temperature but before min-p: truncating the draft's own guess would drop

@@ -305,13 +305,19 @@ class EagleDrafter(Drafter):
     def propose(self, state, inputs):
         if not self.pending_tokens:
             return []
+        # The target's pass runs before the layer's products are switched below: under
+        # them its compiled forward (and the drafting view's refresh forward) would be
+        # traced anew (12 s at the first step of a 32K run on a Sapphire Rapids).
+        root = inputs.root_pass() if self.options.root_pass else None
         # The layer's float32 products of 1-3 rows through the kernel too, where the
         # runner's go through it: they were ~7 ms of a 17 ms proposal with PyTorch's
         # (profiled on an AMD EPYC Zen 4).
         with KernelLinears() if self.kernel_head else contextlib.nullcontext():
-            return self._propose(state, inputs)
+            return self._propose(state, inputs, root)
 
-    def _propose(self, state, inputs):
+    def _propose(self, state, inputs, root):
+        """``root``: the drafting pass of the root (:class:`~tokenswift.interfaces.RootPass`),
+        or None: drafted from the layer's own prediction of the root's feature."""
         options = self.options
         root_feature, root_position = self._commit_pending()
         window = self.context.scorer.window if self.context.scorer is not None else 0
@@ -320,7 +326,6 @@ class EagleDrafter(Drafter):
         draw = (lambda depth: lambda q, k: inputs.draw_drafts(q, k, depth)) if inputs.sampled else (lambda depth: None)
         breadth = self.breadth_limit
         width, children = min(options.width, breadth), min(options.children, breadth)
-        root = inputs.root_pass() if options.root_pass else None
         if root is None:
             ids, probs, q = self._ranked(root_feature[None], tail, [[]], children, inputs.noise(1), draw(1))
         else:
