@@ -411,14 +411,16 @@ def test_the_head_product_goes_through_the_kernel_in_bfloat16_where_the_runner_u
     assert not float_pipe.drafter.kernel_head and float_pipe.drafter.head.dtype == torch.float32
 
 
-def test_the_root_pass_runs_outside_the_layers_kernel_products(monkeypatch):
-    """The layer's few-row products go through the kernel (a function mode switched on
-    for the proposal); the target's pass must not run under it: its compiled forward
-    would be traced anew (12 s at a 32K run's first step) and its products changed."""
+def test_the_layers_products_take_the_kernel_and_the_root_pass_runs_as_any_forward(monkeypatch):
+    """Where the runner's products go through the few-rows kernel, so do the draft
+    layer's (its linears swapped for kernel-served ones on bfloat16 copies of the
+    weights), with no function mode left on: the target's pass
+    must run as any forward does (under a mode its compiled forward would be traced
+    anew: 12 s at a 32K run's first step)."""
     from torch.overrides import _get_current_function_mode_stack
 
     from tokenswift import kernels
-    from tokenswift.model.linear import KernelLinears
+    from tokenswift.model.linear import KernelServedLinear
 
     if not kernels.available():
         pytest.skip("the kernels cannot be built on this machine")
@@ -426,18 +428,27 @@ def test_the_root_pass_runs_outside_the_layers_kernel_products(monkeypatch):
     model = tiny_model_for("llama-gqa", "bfloat16")
     spec = {"preset": "eagle", **FIXED_TREE, "drafter": {"weights": "random", "root_pass": True}}
     pipe = Pipeline.from_spec(spec, model)
-    assert pipe.drafter.kernel_head
-    passes = []
+    net = pipe.drafter.net
+    assert isinstance(net.q, KernelServedLinear) and isinstance(net.down, KernelServedLinear)
+    assert net.q.weight.dtype == torch.bfloat16
+    x = torch.randn(3, model.config.hidden_size)
+    want = torch.nn.functional.linear(x.to(torch.bfloat16).double(), net.q.weight.double())
+    torch.testing.assert_close(net.q(x).double(), want, rtol=2e-2, atol=2e-2)  # bfloat16 rounding of the result
+    assert net.q(x).dtype == torch.float32
+    float_products, passes = [], []
+    original = kernels.few_rows_linear
+    monkeypatch.setattr(kernels, "few_rows_linear", lambda *a: float_products.append(a[1] is net.q.weight) or original(*a))
     forward = pipe.runner.forward
 
     def spy(tokens, **kwargs):
         if kwargs.get("view") is not None:  # a drafting pass (verify forwards stage into the store)
-            passes.append(any(isinstance(mode, KernelLinears) for mode in _get_current_function_mode_stack()))
+            passes.append(bool(_get_current_function_mode_stack()))
         return forward(tokens, **kwargs)
 
     monkeypatch.setattr(pipe.runner, "forward", spy)
     pipe.generate([1, 5, 9, 2, 7, 3, 1, 5, 9, 2], 12, seed=0, ignore_eos=True)
     assert passes and not any(passes)
+    assert any(float_products)  # the layer's own products went through the kernel
 
 
 def test_coupled_candidates_are_ranked_on_the_untruncated_draft_plus_the_noise(tmp_path):

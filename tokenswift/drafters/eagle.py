@@ -24,7 +24,6 @@ training: ``tokenswift train-drafter``.
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 
 import attrs
@@ -35,7 +34,7 @@ from tokenswift.drafters.feature_net import FeatureNet, find_shipped_drafter
 from tokenswift.drafters.head_based import coupled_rating
 from tokenswift.errors import SpecError
 from tokenswift.interfaces import Drafter
-from tokenswift.model.linear import KernelLinears
+from tokenswift.model.linear import serve_linears_by_kernel
 from tokenswift.tree import DRAFTER, Branch, SampledChildren
 from tokenswift.validation import boolean, int_at_least, integer, weights_source
 
@@ -112,6 +111,13 @@ class EagleDrafter(Drafter):
         head = runner.lm_head.weight.detach()[draft_tokens]
         self.kernel_head = runner.kernel_linears and head.dtype == torch.bfloat16
         self.head = head.contiguous() if self.kernel_head else head.to(torch.float32)
+        if self.kernel_head:
+            # The layer's products of a few rows through the kernel too, where the
+            # runner's go through it, its weights in bfloat16 like the head's (the shipped
+            # layer is a bfloat16 copy): float32 through PyTorch they were ~7 ms of a 17 ms
+            # proposal (an AMD EPYC Zen 4); float32 through the kernel, 5.8 ms of a 20 ms
+            # one (8 products a level, a Sapphire Rapids). Drafts only choose what is verified.
+            serve_linears_by_kernel(self.net, torch.bfloat16)
         self.draft_tokens = draft_tokens.tolist()
         self.draft_token_ids = draft_tokens.to(runner.device)  # [V'] target ids of the draft vocabulary
         # target id -> row of the draft vocabulary; ids outside it -> the extra last column
@@ -305,15 +311,8 @@ class EagleDrafter(Drafter):
     def propose(self, state, inputs):
         if not self.pending_tokens:
             return []
-        # The target's pass runs before the layer's products are switched below: under
-        # them its compiled forward (and the drafting view's refresh forward) would be
-        # traced anew (12 s at the first step of a 32K run on a Sapphire Rapids).
         root = inputs.root_pass() if self.options.root_pass else None
-        # The layer's float32 products of 1-3 rows through the kernel too, where the
-        # runner's go through it: they were ~7 ms of a 17 ms proposal with PyTorch's
-        # (profiled on an AMD EPYC Zen 4).
-        with KernelLinears() if self.kernel_head else contextlib.nullcontext():
-            return self._propose(state, inputs, root)
+        return self._propose(state, inputs, root)
 
     def _propose(self, state, inputs, root):
         """``root``: the drafting pass of the root (:class:`~tokenswift.interfaces.RootPass`),

@@ -158,11 +158,10 @@ class FeatureNet(nn.Module):
         config = self.config
         query = self.q(self.attention_norm(x)).view(b, t, config.num_heads, -1).transpose(1, 2)
         query = rotate(query, positions, config.rope_theta)
-        groups = config.num_heads // config.num_kv_heads
-        if groups > 1:
-            keys = keys.repeat_interleave(groups, dim=1)
-            values = values.repeat_interleave(groups, dim=1)
-        attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask)
+        # each KV head's query heads read it in place (no repeated copy of the keys)
+        attended = F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=mask, enable_gqa=config.num_heads != config.num_kv_heads
+        )
         x = x + self.o(attended.transpose(1, 2).reshape(b, t, -1))
         normed = self.mlp_norm(x)
         return x + self.down(F.silu(self.gate(normed)) * self.up(normed))
