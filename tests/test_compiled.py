@@ -322,6 +322,31 @@ def test_the_cost_model_prices_a_compiled_tree_at_its_padded_size():
     assert costs.forward_seconds(1, 2048) == pytest.approx(eager.forward_seconds(1, 2048) * 0.5)
 
 
+def test_a_tree_timed_at_two_contexts_is_priced_along_its_own_growth():
+    """With compiled trees timed at a second context, a tree's cost at any context is
+    the line through its two measurements, not the eager curve's growth (which put a
+    5-token tree at 32K 35 ms above one token on a Sapphire Rapids, against 2 measured);
+    a record from before (one context) loads and is priced as before."""
+    from tokenswift.compiling import CompileCalibration
+    from tokenswift.costs import CostModel
+    from tests.test_speculation import calibration
+
+    measured = CompileCalibration(
+        key="k", machine="m", contexts=(256, 2048), eager_ms=(20.0, 24.0), compiled_ms=(10.0, 12.0), compile_seconds=1.0,
+        tree_sizes=(4, 8), tree_eager_ms=(30.0, 32.0), tree_compiled_ms=(14.0, 20.0),
+        tree_far_context=8192, tree_far_compiled_ms=(17.0, 29.0),
+    )
+    costs = CostModel(calibration(2.0), compiled_size=lambda n: {1: 1, 2: 4, 3: 4, 4: 4, 5: 8}.get(n))
+    costs.use_compile_calibration(measured)
+    assert costs.forward_seconds(3, 2048) == pytest.approx(0.014)
+    assert costs.forward_seconds(4, 8192) == pytest.approx(0.017)
+    assert costs.forward_seconds(4, 32768) == pytest.approx(0.014 + 0.003 * (32768 - 2048) / 6144)
+    assert costs.forward_seconds(5, 32768) == pytest.approx(0.020 + 0.009 * (32768 - 2048) / 6144)
+    old = {k: v for k, v in measured.to_dict().items() if not k.startswith("tree_far")}
+    loaded = CompileCalibration.from_dict(old)
+    assert loaded.tree_far_compiled_ms == () and loaded.tree_compiled_seconds_at(4, 32768) is None
+
+
 def test_trees_compile_at_the_sizes_that_pay():
     from types import SimpleNamespace
 

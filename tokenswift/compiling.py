@@ -39,6 +39,11 @@ AUTO_MIN_PARAMETERS = 20_000_000
 # 2-core CPU) only for a run this long, which such a measurement can repay.
 AUTO_CALIBRATE_MIN_TOKENS = 8192
 COMPILE_CONTEXTS = (256, 2048)
+# Compiled tree forwards are timed again at this context, so that their cost is
+# extrapolated along their own growth with the context: the eager curve's overstated it
+# (a 2-core Sapphire Rapids, 32K positions: a 5-token tree priced +35 ms over one token,
+# measured +2; the tree choice there verified ~2 nodes a step).
+TREE_FAR_CONTEXT = 8192
 # Tree verify forwards compile at these padded sizes (each a graph), where they pay,
 # and at the most new tokens whose query rows fit one 16-row tile of the decode kernel
 # (:func:`tree_sizes_for`).
@@ -68,7 +73,9 @@ class CompileCalibration(CachedRecord):
 
     FORMAT: ClassVar[str] = "tokenswift-compile-calibration/2"
     SUFFIX: ClassVar[str] = "-compile"
-    TUPLES: ClassVar[tuple[str, ...]] = ("contexts", "eager_ms", "compiled_ms", "tree_sizes", "tree_eager_ms", "tree_compiled_ms")
+    TUPLES: ClassVar[tuple[str, ...]] = (
+        "contexts", "eager_ms", "compiled_ms", "tree_sizes", "tree_eager_ms", "tree_compiled_ms", "tree_far_compiled_ms",
+    )
 
     key: str
     machine: str
@@ -80,13 +87,17 @@ class CompileCalibration(CachedRecord):
     tree_eager_ms: tuple[float, ...] = ()  # per tree size, at contexts[-1]
     tree_compiled_ms: tuple[float, ...] = ()
     tree_compile_seconds: float = 0.0  # what compiling every tree size took
+    tree_far_context: int = 0  # where the compiled trees were timed again (0: not)
+    tree_far_compiled_ms: tuple[float, ...] = ()  # per tree size, compiled, at tree_far_context
 
     @classmethod
     def from_dict(cls, data: dict) -> CompileCalibration:
         """Also a record of the first format (one-token steps only): its trees count
-        as not measured, so ``auto`` compiles none until ``calibrate --compile``."""
+        as not measured, so ``auto`` compiles none until ``calibrate --compile``; and one
+        from before trees were timed at a second context (priced as before)."""
         if data.get("format") == "tokenswift-compile-calibration/1":
             data = {**data, "format": cls.FORMAT, "tree_sizes": [], "tree_eager_ms": [], "tree_compiled_ms": []}
+        data = {"tree_far_context": 0, "tree_far_compiled_ms": [], **data}
         return super().from_dict(data)
 
     def tree_saving_seconds(self, size: int) -> float | None:
@@ -103,6 +114,16 @@ class CompileCalibration(CachedRecord):
         if size not in self.tree_sizes:
             return None
         return self.tree_compiled_ms[self.tree_sizes.index(size)] / 1000
+
+    def tree_compiled_seconds_at(self, size: int, context: int) -> float | None:
+        """Seconds of a compiled verify forward of ``size`` tokens at ``context``
+        positions, linear through its two measurements (None: not measured at two
+        contexts)."""
+        if size not in self.tree_sizes or not self.tree_far_compiled_ms:
+            return None
+        i = self.tree_sizes.index(size)
+        ms = _extrapolate((self.contexts[-1], self.tree_far_context), (self.tree_compiled_ms[i], self.tree_far_compiled_ms[i]), context)
+        return ms / 1000
 
     @property
     def paying_tree_sizes(self) -> tuple[int, ...]:
@@ -167,6 +188,13 @@ def measure_compile(runner, *, repeats: int = 5, tree_sizes: tuple[int, ...] | N
         tree_compile_seconds = sum(compile_now(step) for step in tree_steps)
         tree_ms = [eager_vs_compiled(step) for step in tree_steps]
         tree_eager_ms, tree_compiled_ms = (tuple(m[0] for m in tree_ms), tuple(m[1] for m in tree_ms))
+        far = max(TREE_FAR_CONTEXT, contexts[-1] + 1)
+        runner.allocate(far + max((1, *tree_sizes)) + 1)
+        runner.use_compiled(True)
+        tree_far_ms = tuple(
+            round(interleaved_ms({"compiled": (lambda: None, tree_step(runner, far, size))}, repeats)["compiled"], 3)
+            for size in tree_sizes
+        )
     finally:
         runner.use_compiled(False)
         runner.use_compiled_trees(())
@@ -175,7 +203,7 @@ def measure_compile(runner, *, repeats: int = 5, tree_sizes: tuple[int, ...] | N
         key=machine_key(runner), machine=machine_name(runner.device), contexts=contexts,
         eager_ms=tuple(eager_ms), compiled_ms=tuple(compiled_ms), compile_seconds=round(compile_seconds, 2),
         tree_sizes=tuple(tree_sizes), tree_eager_ms=tuple(tree_eager_ms), tree_compiled_ms=tuple(tree_compiled_ms),
-        tree_compile_seconds=round(tree_compile_seconds, 2),
+        tree_compile_seconds=round(tree_compile_seconds, 2), tree_far_context=far, tree_far_compiled_ms=tree_far_ms,
     )
     logger.info(
         "compiled one-token steps: %s ms vs eager %s ms at contexts %s (compiling took %.1f s); "

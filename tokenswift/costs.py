@@ -5,7 +5,8 @@
 forwards by the compiled/eager ratio of the
 :class:`~tokenswift.compiling.CompileCalibration` while the runner's one-token forwards
 are compiled, prices a compiled tree forward as what the compile calibration measured at
-its padded size, moved along the eager curve to the context, and corrects itself from the
+its padded size, extrapolated through its two measured contexts (or, from a calibration
+that timed it at one, moved along the eager curve), and corrects itself from the
 forward times the run observes.
 
 Costs only choose which candidates are verified; they never change what is accepted.
@@ -53,7 +54,12 @@ class CostModel:
         size = self.compiled_size(nodes) if self.compile_calibration is not None else None
         if size == 1:
             return eager * self.compile_calibration.factor(context)
-        measured = None if size is None else self.compile_calibration.tree_compiled_seconds(size)
+        if size is None:
+            return eager
+        along = self.compile_calibration.tree_compiled_seconds_at(size, context)
+        if along is not None:  # measured at two contexts: along its own growth
+            return along
+        measured = self.compile_calibration.tree_compiled_seconds(size)
         if measured is None:
             return eager
         # Compiled at the padded size: what it measured at the compile calibration's

@@ -73,6 +73,9 @@ def show_compile(runner, *, refresh: bool) -> None:
         for size, eager, compiled in zip(result.tree_sizes, result.tree_eager_ms, result.tree_compiled_ms):
             verdict = "compiled" if size in result.paying_tree_sizes else "eager"
             print(f"  {size} tokens: eager {eager:.1f}, compiled {compiled:.1f} ({eager / compiled:.2f}x) -> {verdict}")
+        if result.tree_far_compiled_ms:
+            far = ", ".join(f"{size}: {ms:.1f}" for size, ms in zip(result.tree_sizes, result.tree_far_compiled_ms))
+            print(f"  compiled at context {result.tree_far_context} (their growth with the context): {far}")
     print(
         f"compiling took {result.compile_seconds:.1f} s (one token) + {result.tree_compile_seconds:.1f} s (trees); "
         f"cached in {CompileCalibration.path(result.key)}",
