@@ -62,6 +62,8 @@ def test_spec_file(tmp_path, model_dir, capsys):
         (["bench", "--contexts", "2048", "--compile", "all"], "--compile all is for --interleaved; --contexts takes --compile off or on"),
         (["bench", "--contexts", "2048", "--methods", "ar,nope"], "--contexts compares presets and references; unknown ['nope']"),
         (["bench", "--contexts", "2048", "--new-tokens", "0"], "--new-tokens must be positive, got 0"),
+        (["bench", "--contexts", "2048", "--prompt-file", "/nonexistent/p.txt"], "prompt file not found: /nonexistent/p.txt"),
+        (["bench", "--interleaved", "--prompt-file", "/nonexistent/p.txt"], "prompt file not found: /nonexistent/p.txt"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys, tmp_path):
@@ -300,6 +302,22 @@ def test_bench_interleaved_compares_presets_with_ar_in_turns(model_dir, tmp_path
     assert [run["seed"] for run in report["per_seed"]] == [0, 1]
     assert all(run[name]["same_tokens_as_ar"] for run in report["per_seed"] for name in ("tokenswift", "medusa"))
     assert report["config"]["dtype"] == "float32" and "| tokenswift |" in out
+
+
+def test_bench_takes_its_prompts_from_a_prompt_file(model_dir, tmp_path, capsys):
+    """--prompt-file: prompts longer than the bundled one (the first tokens of the file);
+    one that is too short for the tokens asked is a one-line error naming it."""
+    text = tmp_path / "long.txt"
+    text.write_text("the cat sat on the mat . " * 8)
+    common = ["bench", "--interleaved", "--model", str(model_dir), "--dtype", "float32", "--methods", "tokenswift",
+              "--heads", "random", "--new-tokens", "8", "--seeds", "0", "--greedy", "--no-compiled-baseline",
+              "--prompt-file", str(text)]
+    code, out, err = run(capsys, *common, "--prompt-tokens", "40", "--out", str(tmp_path / "ok"))
+    assert code == 0, err
+    assert json.loads((tmp_path / "ok" / "interleaved.json").read_text())["per_seed"][0]["tokenswift"]["same_tokens_as_ar"]
+    code, out, err = run(capsys, *common, "--prompt-tokens", "500", "--out", str(tmp_path / "short"))
+    assert code == 2 and err.count("\n") == 1 and f"--prompt-file {text} has 56 tokens; 500 were asked for" in err
+    assert not (tmp_path / "short").exists()
 
 
 @pytest.fixture(scope="module")

@@ -25,11 +25,13 @@ def demo_prompt(max_chars: int = 8000) -> str:
     return text[: text.rfind("\n\n")].strip() + "\n\n"
 
 
-def prompt_ids(tokenizer, num_tokens: int) -> list[int]:
-    """Exactly ``num_tokens`` token ids from the start of the bundled text."""
-    ids = tokenizer(bundled_text(), add_special_tokens=False)["input_ids"]
+def prompt_ids(tokenizer, num_tokens: int, text: str | None = None, source: str = "the bundled prompt") -> list[int]:
+    """Exactly ``num_tokens`` token ids from the start of the bundled text (or of
+    ``text``, called ``source`` in errors)."""
+    ids = tokenizer(bundled_text() if text is None else text, add_special_tokens=False)["input_ids"]
     if num_tokens > len(ids):
-        raise ValueError(f"the bundled prompt has {len(ids)} tokens; {num_tokens} were asked for")
+        hint = "" if text is not None else "; give a longer text with --prompt-file"
+        raise ValueError(f"{source} has {len(ids)} tokens; {num_tokens} were asked for{hint}")
     return ids[:num_tokens]
 
 

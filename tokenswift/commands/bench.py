@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from tokenswift.commands import DEFAULT_MODEL, DTYPE_CHOICES, CliError
+from tokenswift.commands import DEFAULT_MODEL, DTYPE_CHOICES, CliError, read_prompt_file
 from tokenswift.errors import TokenswiftError
 
 NAME = "bench"
@@ -27,6 +27,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     parser.add_argument("--heads", default="auto", help="heads for the tokenswift and medusa presets")
     parser.add_argument("--prompt-tokens", type=int, default=2048)
+    parser.add_argument(
+        "--prompt-file",
+        help="UTF-8 text whose first tokens are the prompt(s), for prompts longer than the bundled held-out one "
+             "(~48K tokens of the demo model; default: that one)",
+    )
     parser.add_argument("--new-tokens", type=int, help="new tokens per method (default 6144; 256 with --contexts)")
     length = parser.add_mutually_exclusive_group()
     length.add_argument("--quick", action="store_true", help="1,024 new tokens, for iteration")
@@ -101,7 +106,7 @@ def run(args, argv: list[str] | None = None) -> int:
     check_device(args.device)
     config = BenchConfig(
         model=args.model, dtype=args.dtype, device=args.device, rope=rope, heads=args.heads, prompt_tokens=args.prompt_tokens,
-        new_tokens=new_tokens, greedy=args.greedy, seed=args.seed, methods=methods,
+        prompt_file=checked_prompt_file(args), new_tokens=new_tokens, greedy=args.greedy, seed=args.seed, methods=methods,
     )
     bars = []  # made at the first token, so that a model that fails to load leaves one error line
 
@@ -129,9 +134,8 @@ def run_interleaved(args) -> int:
     from tqdm import tqdm
 
     from tokenswift.model.loading import check_device, load_model
-    from tokenswift.prompts import prompt_ids
     from tokenswift.spec import ModelSpec
-    from tokenswift.tools.bench import PRESET_METHODS
+    from tokenswift.tools.bench import PRESET_METHODS, prompt_tokens_for
     from tokenswift.tools.interleaved import compare_presets, markdown, variant_names
 
     presets = list(PRESET_METHODS)
@@ -146,8 +150,12 @@ def run_interleaved(args) -> int:
     seeds = args.seeds if args.seeds else [args.seed]
     ModelSpec(path=args.model, dtype=args.dtype, device=args.device)  # bad values fail here, before any output
     check_device(args.device)
+    prompt_file = checked_prompt_file(args)
     model, tokenizer = load_model(ModelSpec(path=args.model, dtype=args.dtype, device=args.device))
-    prompt = prompt_ids(tokenizer, args.prompt_tokens)
+    try:
+        prompt = prompt_tokens_for(tokenizer, args.prompt_tokens, prompt_file)
+    except ValueError as exc:
+        raise CliError(f"--prompt-tokens {args.prompt_tokens}: {exc}") from None
     names = ["ar", *[p for p in presets if p != "ar"]]
     variants = variant_names(names, args.compile, args.compiled_baseline)
     bar = tqdm(total=new_tokens * len(variants) * len(seeds), unit="tok", file=sys.stderr, dynamic_ncols=True)
@@ -194,6 +202,15 @@ def ar_roofline(model, report: dict, prompt_tokens: int, new_tokens: int) -> dic
     return {"bandwidth_gb_s": round(bandwidth / 1e9, 1), "floor_ms": round(floor_ms, 2), "ar": measured}
 
 
+def checked_prompt_file(args) -> str | None:
+    """``--prompt-file``, checked readable as UTF-8 text before anything loads (None: the bundled prompt)."""
+    if args.prompt_file is None:
+        return None
+    if not read_prompt_file(args.prompt_file).strip():
+        raise CliError(f"the prompt file {args.prompt_file} is empty")
+    return args.prompt_file
+
+
 def run_contexts(args) -> int:
     """``bench --contexts``: the presets against ar as the prompt grows (see
     :mod:`tokenswift.tools.contexts`)."""
@@ -204,9 +221,8 @@ def run_contexts(args) -> int:
 
     from tokenswift.machine import machine_name
     from tokenswift.model.loading import check_device, load_model
-    from tokenswift.prompts import prompt_ids
     from tokenswift.spec import ModelSpec, parse_rope
-    from tokenswift.tools.bench import PRESET_METHODS
+    from tokenswift.tools.bench import PRESET_METHODS, prompt_tokens_for
     from tokenswift.tools.contexts import TREE_SLACK, auto_rope, markdown, plot, run_contexts as sweep
 
     if args.interleaved or args.quick or args.long:
@@ -246,6 +262,7 @@ def run_contexts(args) -> int:
     rope = parse_rope(args.rope)
     ModelSpec(path=args.model, dtype=args.dtype, device=args.device, rope=rope)  # bad values fail here, before any output
     check_device(args.device)
+    prompt_file = checked_prompt_file(args)
     model, tokenizer = load_model(ModelSpec(path=args.model, dtype=args.dtype, device=args.device, rope=rope))
     trained = int(model.config.max_position_embeddings)
     needed = contexts[-1] + new_tokens + TREE_SLACK
@@ -257,7 +274,7 @@ def run_contexts(args) -> int:
     if tokenizer is None:
         raise CliError(f"model {args.model!r} has no tokenizer; --contexts needs one for its held-out prompts")
     try:
-        prompt_ids(tokenizer, contexts[-1])
+        prompt_tokens_for(tokenizer, contexts[-1], prompt_file)
     except ValueError as exc:
         raise CliError(f"--contexts {contexts[-1]}: {exc}") from None
     out = Path(args.out)
@@ -288,7 +305,7 @@ def run_contexts(args) -> int:
     if references:
         info["references"] = {"gguf": str(gguf), "llama_cpp_python": llamacpp.version()}
     report = sweep(
-        model, tokenizer, lambda n: prompt_ids(tokenizer, n), contexts=contexts, new_tokens=new_tokens, references=loaded,
+        model, tokenizer, lambda n: prompt_tokens_for(tokenizer, n, prompt_file), contexts=contexts, new_tokens=new_tokens, references=loaded,
         presets=presets, decodings=args.decodings, seeds=seeds, heads=args.heads,
         overrides=None if compiled is None else {"model": {"compile": compiled}},
         compiled_baseline=args.compiled_baseline, progress=lambda name, count: bar.update(count), on_context=write,

@@ -29,6 +29,18 @@ HF_METHODS = ("hf-generate", "hf-prompt-lookup")
 PRESET_METHODS = ("ar", "tokenswift", "medusa", "eagle", "prompt-lookup")
 
 
+def prompt_tokens_for(tokenizer, num_tokens: int, prompt_file: str | None) -> list[int]:
+    """The first ``num_tokens`` tokens of ``prompt_file`` (UTF-8), or of the bundled
+    held-out prompt when None."""
+    from pathlib import Path
+
+    from tokenswift.prompts import prompt_ids
+
+    if prompt_file is None:
+        return prompt_ids(tokenizer, num_tokens)
+    return prompt_ids(tokenizer, num_tokens, Path(prompt_file).read_text(encoding="utf-8"), f"--prompt-file {prompt_file}")
+
+
 def drafter_overrides(preset: str, heads: str) -> dict:
     """The drafter options a benchmark gives ``preset``: ``heads`` for the head drafters;
     for ``eagle``, random weights when the heads are random (measuring the machinery),
@@ -62,6 +74,7 @@ class BenchConfig:
     rope: dict | None = None  # RoPE-scaling override, for runs past the trained context
     heads: str = "auto"
     prompt_tokens: int = 2048
+    prompt_file: str | None = None  # UTF-8 text whose first prompt_tokens tokens are the prompt (default: the bundled one)
     new_tokens: int = 6144
     greedy: bool = False
     temperature: float = 1.0
@@ -164,13 +177,12 @@ def run_bench(
     the results so far after each method (a long run interrupted keeps what it measured)."""
     from tokenswift import Pipeline, hookimpl
     from tokenswift.model.loading import load_model
-    from tokenswift.prompts import prompt_ids
     from tokenswift.spec import ModelSpec
 
     if model is None:
         model, tokenizer = load_model(ModelSpec(path=config.model, dtype=config.dtype, device=config.device, rope=config.rope))
     device = next(model.parameters()).device
-    prompt = prompt_ids(tokenizer, config.prompt_tokens)
+    prompt = prompt_tokens_for(tokenizer, config.prompt_tokens, config.prompt_file)
     info = {"config": attrs.asdict(config), "torch": torch.__version__, "threads": torch.get_num_threads()}
     penalty = {"name": "contextual", "value": config.penalty, "window": config.window}
     # transformers' methods get the penalty of an ar pipeline with the same settings.
