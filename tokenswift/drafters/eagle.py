@@ -295,9 +295,7 @@ class EagleDrafter(Drafter):
         if greedy:
             return [[int(processed.argmax())]], [[1.0]], None
         probs = processed.float().softmax(-1)
-        ranking = probs if noise is None else None
-        if noise is not None:
-            ranking, probs = coupled_rating(probs, noise)
+        ranking, probs = (probs, probs) if noise is None else coupled_rating(probs, noise)
         top = ranking.topk(min(k, ranking.shape[-1])).indices
         return [top.tolist()], [probs[top].tolist()], None
 
