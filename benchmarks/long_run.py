@@ -50,11 +50,27 @@ def rope_option(value: str | None) -> dict | None:
         raise SystemExit(f"long_run.py: error: --rope: {exc}") from None
 
 
+def session_marks(device) -> dict:
+    """What each block records of where it ran: a resumed run may span machines and code."""
+    import subprocess
+
+    from tokenswift.machine import machine_name
+
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = None
+    return {"machine": machine_name(device), "commit": commit}
+
+
 class BlockRecorder:
     """A pluggy observer: one record per ``block`` new tokens."""
 
-    def __init__(self, block: int, bar: tqdm, on_block) -> None:
+    def __init__(self, block: int, bar: tqdm, on_block, marks: dict | None = None) -> None:
         self.block, self.bar, self.on_block = block, bar, on_block
+        self.marks = marks or {}
         self.blocks: list[dict] = []
         self.mark = None  # (generated, seconds) at the last block end
         self.propose_seconds = 0.0  # drafting-stage seconds since the last block end
@@ -75,6 +91,7 @@ class BlockRecorder:
                 "ms_per_token": round(1000 * (step.seconds - seconds) / tokens, 2),
                 "draft_ms_per_token": round(1000 * self.propose_seconds / tokens, 2),
                 "rss_mib": round(resident_mib(), 1),
+                **self.marks,
             }
         )
         self.mark = (step.generated, step.seconds)
@@ -117,10 +134,14 @@ def markdown(record: dict) -> str:
         f"KV store + drafting view: {record['predicted_mib']} MiB, working set: {record['working_mib']} MiB; "
         f"bound {record['bound_mib']} MiB; peak resident {record['peak_rss_mib']} MiB",
         "",
-        "| generated | ms/token | drafting ms/token | resident MiB |",
-        "|---|---|---|---|",
+        "| generated | ms/token | drafting ms/token | resident MiB | machine, commit |",
+        "|---|---|---|---|---|",
     ]
-    lines += [f"| {b['generated']} | {b['ms_per_token']} | {b['draft_ms_per_token']} | {b['rss_mib']} |" for b in blocks]
+    lines += [
+        f"| {b['generated']} | {b['ms_per_token']} | {b['draft_ms_per_token']} | {b['rss_mib']} | "
+        f"{b.get('machine', '?')}, {b.get('commit', '?')} |"
+        for b in blocks
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -182,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     previous = list(record["blocks"])
     done = len(resume.tokens) if resume else 0
     with tqdm(total=new_tokens, initial=done, unit="tok", dynamic_ncols=True, file=sys.stderr) as bar:
-        recorder = BlockRecorder(record["block"], bar, save)
+        recorder = BlockRecorder(record["block"], bar, save, session_marks(next(pipe.model.parameters()).device))
         pipe.plugin_manager.register(recorder)
         started = time.perf_counter()
         result = pipe.generate(
