@@ -86,7 +86,7 @@ class TokenSwiftDrafter(HeadDrafter):
 
     @property
     def max_depth(self) -> int:
-        return self.layer.options.depth + 1 if self.layer is not None else self.heads.num_heads + 1
+        return self.layer.options.depth if self.layer is not None else self.heads.num_heads + 1  # the layer drafts depth 1 from the pass
 
     @property
     def max_tree_nodes(self) -> int:
