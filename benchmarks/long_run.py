@@ -14,12 +14,19 @@ not from the resident memory after loading: a model loaded from safetensors is m
 lazily, so most of its pages become resident only at the first forward. Writes ``long_run.json``
 after every block (an interrupted run keeps its curve), ``long_run.png`` and
 ``long_run.md``; ``--resume`` continues an interrupted run from its checkpoint.
+
+``--ar-at 8000,32000,...`` samples plain ``ar`` at those points of the run, from its
+own checkpoint: the run's prompt and first N generated tokens prefilled, then
+``--ar-tokens`` ``ar`` steps timed (the same model spec, sampling and KV capacity as
+the run, so its compiled forwards are the run's); each sample is recorded beside the
+run's block there (the speedup curve), with how many of its tokens equal the run's.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -29,7 +36,7 @@ from tqdm import tqdm
 from tokenswift import Pipeline, hookimpl
 from tokenswift.memory import parameter_bytes, peak_rss_mib
 from tokenswift.checkpoint import Checkpoint
-from tokenswift.errors import SpecError
+from tokenswift.errors import SpecError, TokenswiftError
 from tokenswift.prompts import prompt_ids
 from tokenswift.spec import parse_rope
 
@@ -111,6 +118,10 @@ def plot(record: dict, path: Path) -> None:
     fig, (time_ax, mem_ax) = plt.subplots(1, 2, figsize=(11, 4))
     time_ax.plot(x, [b["ms_per_token"] for b in blocks], marker=".", label="whole step")
     time_ax.plot(x, [b["draft_ms_per_token"] for b in blocks], marker=".", label="drafting stage")
+    samples = record.get("ar", [])
+    if samples:
+        time_ax.plot([a["generated"] / 1000 for a in samples], [a["ms_per_token"] for a in samples], marker="o",
+                     linestyle="--", label="ar at the run's contexts")
     time_ax.set(xlabel="generated tokens (K)", ylabel="ms per token", title=f"time per {record['block']}-token block")
     time_ax.set_ylim(bottom=0)
     time_ax.legend()
@@ -134,6 +145,17 @@ def markdown(record: dict) -> str:
         f"KV store + drafting view: {record['predicted_mib']} MiB, working set: {record['working_mib']} MiB; "
         f"bound {record['bound_mib']} MiB; peak resident {record['peak_rss_mib']} MiB",
         "",
+    ]
+    if blocks:
+        seconds = sum(
+            b["ms_per_token"] * (b["generated"] - (blocks[i - 1]["generated"] if i else 0)) / 1000 for i, b in enumerate(blocks)
+        )
+        lines += [
+            f"{blocks[-1]['generated']} new tokens in {seconds:,.0f} s ({seconds / 3600:.2f} h), the blocks summed (a "
+            "session's first block includes its prefill; the run's first, its compiles)",
+            "",
+        ]
+    lines += [
         "| generated | ms/token | drafting ms/token | resident MiB | machine, commit |",
         "|---|---|---|---|---|",
     ]
@@ -142,7 +164,112 @@ def markdown(record: dict) -> str:
         f"{b.get('machine', '?')}, {b.get('commit', '?')} |"
         for b in blocks
     ]
+    samples = record.get("ar", [])
+    if samples:
+        lines += [
+            "",
+            "`ar` sampled from the run's checkpoint (`--ar-at`): the run's context prefilled, "
+            f"{samples[0]['tokens']} `ar` tokens timed; the run's block at that point beside it",
+            "",
+            "| generated | ar ms/token | run ms/token | speedup | same tokens as the run | machine, commit |",
+            "|---|---|---|---|---|---|",
+        ]
+        for a in samples:
+            run = run_ms_at(blocks, a["generated"])
+            speedup = f"{a['ms_per_token'] / run:.3f}x" if run else "-"
+            lines.append(
+                f"| {a['generated']} | {a['ms_per_token']} | {run or '-'} | {speedup} | {a['same']}/{a['compared']} | "
+                f"{a.get('machine', '?')}, {a.get('commit', '?')} |"
+            )
+        lines += [
+            "",
+            "same tokens: how many of `ar`'s tokens equal the run's before the first that differs. In float32 all "
+            "do (tested); in bfloat16 a prefill and the run's tree forwards round differently from one-token "
+            "steps, so the two part within a few tokens: `ar` is timed at the same context, over its own continuation.",
+        ]
     return "\n".join(lines) + "\n"
+
+
+def run_ms_at(blocks: list[dict], generated: int) -> float | None:
+    """The run's ms/token over the block that starts at ``generated`` (or contains it)."""
+    after = [b for b in blocks if b["generated"] > generated]
+    return after[0]["ms_per_token"] if after else None
+
+
+def ar_spec(run_spec: dict) -> dict:
+    """Plain ``ar`` with the run's model, penalty and sampling."""
+    spec = {"preset": "ar", "model": dict(run_spec["model"])}
+    for section in ("penalty", "sampling"):
+        if section in run_spec:
+            spec[section] = run_spec[section]
+    return spec
+
+
+def sample_ar(out: Path, points: list[int], tokens: int, warmup: int = 4) -> int:
+    """Time ``ar`` at ``points`` (generated tokens) of the run checkpointed in ``out``."""
+    json_path = out / "long_run.json"
+    try:
+        run = Checkpoint.load(out / "long_run.ckpt")
+        record = json.loads(json_path.read_text())
+    except (TokenswiftError, FileNotFoundError, json.JSONDecodeError) as exc:
+        raise SystemExit(f"long_run.py: error: --ar-at needs a run in {out}: {exc}") from None
+    beyond = [p for p in points if not 0 <= p <= len(run.tokens)]
+    if beyond:
+        raise SystemExit(
+            f"long_run.py: error: --ar-at {beyond}: the run in {out} has generated {len(run.tokens)} tokens; "
+            f"points must be within 0..{len(run.tokens)}"
+        )
+    spec = ar_spec(run.spec)
+    pipe = Pipeline.from_spec(spec)
+    marks = session_marks(next(pipe.model.parameters()).device)
+    samples = {a["generated"]: a for a in record.get("ar", [])}
+    for point in tqdm(points, unit="context", file=sys.stderr, desc="ar samples"):
+        # the run's max_new_tokens: the same KV capacity, hence the run's compiled forwards
+        start = Checkpoint(
+            spec=spec, prompt_tokens=run.prompt_tokens,
+            tokens=run.tokens[:point], seed=run.seed, rng_state=run.rng_state, max_new_tokens=run.max_new_tokens,
+            ignore_eos=run.ignore_eos,
+        )
+        generation = pipe.start(resume=start)
+        generation.prefill()
+        drawn, timed_from, started = [], None, None
+        for step in generation.steps():
+            drawn.extend(step.emitted)
+            if len(drawn) == warmup:
+                timed_from, started = len(drawn), time.perf_counter()
+            if len(drawn) >= warmup + tokens:
+                break
+        seconds = time.perf_counter() - started
+        reference = run.tokens[point : point + len(drawn)]
+        same = next((i for i, (a, b) in enumerate(zip(drawn, reference)) if a != b), len(reference))
+        samples[point] = {
+            "generated": point,
+            "tokens": len(drawn) - timed_from,
+            "ms_per_token": round(1000 * seconds / (len(drawn) - timed_from), 2),
+            "prefill_seconds": round(generation.prefill_seconds, 1),
+            "same": same,
+            "compared": len(reference),
+            **marks,
+        }
+        logging.getLogger(__name__).info("ar at %d: %s", point, samples[point])
+        record["ar"] = [samples[k] for k in sorted(samples)]
+        staging = json_path.with_suffix(".tmp")
+        staging.write_text(json.dumps(record, indent=1) + "\n")
+        staging.replace(json_path)
+    plot(record, out / "long_run.png")
+    (out / "long_run.md").write_text(markdown(record))
+    print(markdown(record), end="")
+    return 0
+
+
+def points_option(value: str) -> list[int]:
+    try:
+        points = sorted({int(part) for part in value.split(",") if part.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected generated-token counts like 8000,32000") from None
+    if not points:
+        raise argparse.ArgumentTypeError("expected at least one generated-token count")
+    return points
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,7 +285,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="long-run-out")
     parser.add_argument("--resume", action="store_true", help="continue the run checkpointed in --out")
+    parser.add_argument("--ar-at", type=points_option, metavar="N,N,...",
+                        help="time plain ar at these generated-token counts of the run in --out (from its checkpoint)")
+    parser.add_argument("--ar-tokens", type=int, default=64, help="ar tokens timed per --ar-at point")
     args = parser.parse_args(argv)
+    if args.ar_at:
+        if args.ar_tokens < 1:
+            parser.error(f"--ar-tokens {args.ar_tokens}: must be >= 1")
+        return sample_ar(Path(args.out), args.ar_at, args.ar_tokens)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -195,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def save(blocks):
         record["blocks"] = previous + blocks
-        record["peak_rss_mib"] = round(peak_rss_mib(), 1)
+        # a resumed run's peak is the highest of every session's
+        record["peak_rss_mib"] = round(max(peak_rss_mib(), record.get("peak_rss_mib", 0.0)), 1)
         staging = json_path.with_suffix(".tmp")
         staging.write_text(json.dumps(record, indent=1) + "\n")
         staging.replace(json_path)

@@ -27,9 +27,31 @@ def test_long_run_records_every_block_within_the_memory_bound(model_dir, tmp_pat
     assert record["peak_rss_mib"] <= record["bound_mib"]
     assert record["summary"]["new_tokens"] == 120 and "rope yarn:4" in record["title"]
     assert (out / "long_run.png").stat().st_size > 10_000
-    assert "| 120 |" in (out / "long_run.md").read_text()
+    assert "| 120 |" in (out / "long_run.md").read_text() and "120 new tokens in " in (out / "long_run.md").read_text()
 
-    # A finished run resumed is a no-op that keeps its blocks.
+    # A finished run resumed is a no-op that keeps its blocks, and the highest peak of
+    # its sessions (an earlier session's peak stands for itself).
+    record["peak_rss_mib"] = 99999.0
+    (out / "long_run.json").write_text(json.dumps(record))
     again = run("--out", str(out), "--resume")
     assert again.returncode == 0, again.stderr[-2000:]
-    assert [b["generated"] for b in json.loads((out / "long_run.json").read_text())["blocks"]] == ends
+    resumed = json.loads((out / "long_run.json").read_text())
+    assert [b["generated"] for b in resumed["blocks"]] == ends and resumed["peak_rss_mib"] == 99999.0
+
+    # ar sampled at points of the run, from its own checkpoint: the same model and
+    # sampler draw the run's own tokens there (the run is lossless), and are timed.
+    sampled = run("--out", str(out), "--ar-at", "0,40,100", "--ar-tokens", "8")
+    assert sampled.returncode == 0, sampled.stderr[-2000:]
+    record = json.loads((out / "long_run.json").read_text())
+    assert [b["generated"] for b in record["blocks"]] == ends
+    samples = record["ar"]
+    assert [a["generated"] for a in samples] == [0, 40, 100]
+    assert all(a["tokens"] == 8 and a["ms_per_token"] > 0 and a["machine"] for a in samples)
+    assert all(a["same"] == a["compared"] == 12 for a in samples)
+    assert "| 100 |" in (out / "long_run.md").read_text().split("sampled from the run's checkpoint")[1]
+
+    # a point past what the run generated: a clear error, the record untouched
+    beyond = run("--out", str(out), "--ar-at", "40,500")
+    assert beyond.returncode != 0 and "500" in beyond.stderr and "0..120" in beyond.stderr
+    assert "Traceback" not in beyond.stderr
+    assert json.loads((out / "long_run.json").read_text())["ar"] == samples
