@@ -424,3 +424,19 @@ def test_compiled_forwards_through_kernel_linears_equal_eager_ones():
         torch.testing.assert_close(have, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got[1], expected[1], rtol=1e-4, atol=1e-4)
     assert compiled.compiled.has_tree_graph(4) and compiled.compiled.has_tree_graph(8)
+
+
+def test_past_its_last_measured_context_a_compiled_step_saves_what_it_saved_there():
+    """The 100K run's decision: a calibration whose compiled line rose a little faster
+    than the eager one between its two contexts must not price compiled steps as
+    losing at 50K positions (both paths attend through the same operator)."""
+    measured = CompileCalibration(
+        key="k", machine="m", contexts=(256, 2048), eager_ms=(29.41, 31.41), compiled_ms=(17.86, 20.53),
+        compile_seconds=7.0,
+    )
+    assert measured.saving_seconds(1024) == pytest.approx((30.267 - 19.004) / 1000, abs=1e-4)  # within: the lines
+    eager, compiled = measured.milliseconds(52048)
+    assert eager == pytest.approx(29.41 + 2.0 * (52048 - 256) / 1792)
+    assert measured.saving_seconds(52048) == pytest.approx((31.41 - 20.53) / 1000)
+    assert compiled == pytest.approx(eager - (31.41 - 20.53))
+    assert measured.factor(52048) == pytest.approx(compiled / eager) and measured.factor(52048) < 1.0
