@@ -190,6 +190,13 @@ def markdown(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_record(path: Path, record: dict) -> None:
+    """``record`` as ``path``, whole or not at all (staged beside it, then renamed)."""
+    staging = path.with_suffix(".tmp")
+    staging.write_text(json.dumps(record, indent=1) + "\n")
+    staging.replace(path)
+
+
 def run_ms_at(blocks: list[dict], generated: int) -> float | None:
     """The run's ms/token over the block that starts at ``generated`` (or contains it)."""
     after = [b for b in blocks if b["generated"] > generated]
@@ -253,9 +260,7 @@ def sample_ar(out: Path, points: list[int], tokens: int, warmup: int = 4) -> int
         }
         logging.getLogger(__name__).info("ar at %d: %s", point, samples[point])
         record["ar"] = [samples[k] for k in sorted(samples)]
-        staging = json_path.with_suffix(".tmp")
-        staging.write_text(json.dumps(record, indent=1) + "\n")
-        staging.replace(json_path)
+        write_record(json_path, record)
     plot(record, out / "long_run.png")
     (out / "long_run.md").write_text(markdown(record))
     print(markdown(record), end="")
@@ -331,9 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         record["blocks"] = previous + blocks
         # a resumed run's peak is the highest of every session's
         record["peak_rss_mib"] = round(max(peak_rss_mib(), record.get("peak_rss_mib", 0.0)), 1)
-        staging = json_path.with_suffix(".tmp")
-        staging.write_text(json.dumps(record, indent=1) + "\n")
-        staging.replace(json_path)
+        write_record(json_path, record)
 
     previous = list(record["blocks"])
     done = len(resume.tokens) if resume else 0
