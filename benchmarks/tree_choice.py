@@ -68,7 +68,7 @@ def main() -> None:
             nodes, gain = [], []
             for p in confidences:
                 choice = choose(candidate_tree(p), tracker, costs, context, max_nodes=64)
-                plain = costs.forward_seconds(1, context) + costs.score_seconds
+                plain = costs.forward_seconds(1, context) + costs.scoring_seconds(1.0)
                 nodes.append(len(choice.keep) - 1)
                 gain.append(choice.expected_tokens / choice.seconds * plain)
             table[f"{dtype}@{context}"] = {"nodes": nodes, "speedup": [round(g, 3) for g in gain]}

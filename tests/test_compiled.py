@@ -440,3 +440,83 @@ def test_past_its_last_measured_context_a_compiled_step_saves_what_it_saved_ther
     assert measured.saving_seconds(52048) == pytest.approx((31.41 - 20.53) / 1000)
     assert compiled == pytest.approx(eager - (31.41 - 20.53))
     assert measured.factor(52048) == pytest.approx(compiled / eager) and measured.factor(52048) < 1.0
+
+
+def _recorded_proposals(pipe) -> list:
+    """Wraps ``pipe``'s drafter so that each proposal's (tokens, confidences) is kept."""
+    proposals, propose = [], pipe.drafter.propose
+
+    def recording(state, inputs):
+        branches = propose(state, inputs)
+        proposals.append([(branch.tokens, branch.confidence) for branch in branches])
+        return branches
+
+    pipe.drafter.propose = recording
+    return proposals
+
+
+def test_compiled_draft_levels_propose_what_eager_levels_do(tmp_path):
+    """The ``eagle`` drafter's levels compiled (fixed shapes, rows padded to
+    LEVEL_ROWS, the cache in fixed buffers) propose, step by step, the candidates the
+    eager levels do, with their confidences to float32 rounding; the runs emit the same
+    tokens; the graphs ran at their padded sizes. (The confidences drift by up to
+    ~2e-4 over four levels: the verify forwards are compiled too, so the features the
+    drafter starts from differ by rounding.)"""
+    from tests.test_eagle import decisive_net
+    from tokenswift.drafters.draft_graphs import LEVEL_ROWS
+
+    model = tiny_model_for("llama-gqa", "float32")
+    drafter = {"weights": decisive_net(model, tmp_path), "threshold": 0.0}
+    runs = {}
+    for on in (False, True):
+        overrides = {"model": {"compile": on}, "drafter": drafter, "sampling": {"greedy": True}, "retriever": {"name": "none"},
+                     "speculation": {"tree": "fixed", "max_nodes": 24}}
+        pipe = Pipeline.from_spec("eagle", model, overrides=overrides)
+        proposals = _recorded_proposals(pipe)
+        runs[on] = pipe, proposals, pipe.generate([5, 6, 7, 8, 9, 3, 2] * 3, 40, seed=0, ignore_eos=True)
+    (_, eager, eager_result), (pipe, compiled, compiled_result) = runs[False], runs[True]
+    assert compiled_result.tokens == eager_result.tokens and compiled_result.stats.compiled
+    assert len(compiled) == len(eager) > 5
+    for got, want in zip(compiled, eager):
+        assert [tokens for tokens, _ in got] == [tokens for tokens, _ in want]
+        for (_, got_confidence), (_, want_confidence) in zip(got, want):
+            assert got_confidence == pytest.approx(want_confidence, rel=1e-3, abs=1e-5)
+    level = pipe.drafter.parts.level()
+    assert level is not None and set(level.compiled_rows()) <= set(LEVEL_ROWS) and 12 in level.compiled_rows()
+
+
+def test_a_failing_draft_level_compile_drafts_eagerly_with_one_warning(tmp_path, caplog):
+    from tests.test_eagle import decisive_net
+    from tokenswift.drafters.draft_graphs import CompiledLevel
+
+    model = tiny_model_for("llama-gqa", "float32")
+    overrides = {"model": {"compile": True}, "drafter": {"weights": decisive_net(model, tmp_path)}, "sampling": {"greedy": True}}
+    reference = Pipeline.from_spec("ar", model, overrides={"model": {"compile": True}, "sampling": {"greedy": True}}).generate(
+        [1, 2, 3] * 3, 16, seed=0)
+    pipe = Pipeline.from_spec("eagle", model, overrides=overrides)
+    parts = pipe.drafter.parts
+    parts._level = CompiledLevel(parts.net, parts.embed, parts.head_logits, torch.device("cpu"))
+
+    def broken(*args):
+        raise RuntimeError("inductor fell over (test)")
+
+    parts._level._level = broken
+    with caplog.at_level(logging.WARNING, logger="tokenswift"):
+        first = pipe.generate([1, 2, 3] * 3, 16, seed=0)
+        second = pipe.generate([1, 2, 3] * 3, 16, seed=0)
+    assert first.tokens == second.tokens == reference.tokens and first.stats.compiled
+    warnings = [r.getMessage() for r in caplog.records if "draft levels run eagerly" in r.getMessage()]
+    assert len(warnings) == 1 and "torch.compile of the draft level failed" in warnings[0]
+    assert parts.level() is None
+
+
+def test_compiled_eagle_with_the_papers_sampling_is_lossless(tmp_path):
+    """Compiled target forwards and compiled draft levels, coupled sampling: the
+    distribution test of every run (assert_lossless) and ar's tokens for the same seed."""
+    from tests.test_eagle import decisive_net
+
+    model = tiny_model_for("llama-gqa", "float32")
+    overrides = {"model": {"compile": True}, "drafter": {"weights": decisive_net(model, tmp_path)},
+                 "sampling": {"temperature": 0.8, "top_p": 0.9}}
+    result = assert_lossless(Pipeline.from_spec("eagle", model, overrides=overrides), [5, 6, 7, 8] * 6, 40, seed=1)
+    assert result.stats.compiled and result.stats.accepted_tokens > 0

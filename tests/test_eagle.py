@@ -512,7 +512,7 @@ def test_a_proposal_keeps_the_likeliest_candidates_a_step_can_verify(tmp_path):
     assert min(chance[p] for p in paths) >= max(c for p, c in chance.items() if p not in paths)
 
 
-def test_levels_are_drafted_no_wider_than_the_verified_trees_need(tmp_path):
+def test_levels_are_drafted_no_wider_than_the_verified_trees_need(tmp_path, monkeypatch):
     """Where steps verify a few drafted nodes, the drafter expands and ranks at most
     twice that plus two per level; where every candidate is verified (fixed trees), the
     whole configured width."""
@@ -530,7 +530,7 @@ def test_levels_are_drafted_no_wider_than_the_verified_trees_need(tmp_path):
                 rows.append(len(positions))
             return extend(embeds, features, positions, *rest)
 
-        pipe.drafter.net.extend = recording
+        monkeypatch.setattr(pipe.drafter.net, "extend", recording)
         result = pipe.generate([1, 2, 3, 4] * 3, 40, seed=0, ignore_eos=True)
         return rows, result
 

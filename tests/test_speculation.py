@@ -112,6 +112,53 @@ def test_the_choice_keeps_parents_before_children():
     assert [tree.tokens[node] for node in choice.likely_path(tree)] == [1, 2, 3]  # candidate ids
 
 
+def test_where_many_head_rows_cost_one_the_choice_prices_one_product_and_verifies_more():
+    """A calibration whose head product of ONE_PRODUCT_ROWS rows costs little more than
+    one row: the nodes a step visits are priced one product plus each node's penalty
+    and draw, so a tree of likelier-than-not nodes pays where, priced a whole scoring
+    each, it did not (a step's scoring is then partly a fixed cost, which more tokens
+    share); the likeliest kept nodes are the ones scored with the root."""
+    tracker = AcceptanceTracker()
+    tree = DraftTree.root_only(0)
+    tree.add_branches([Branch([1, 2, 3], [0.6, 0.6, 0.6]), Branch([4], [0.3])])
+    base = calibration(3.0, score_ms=4.0)
+    dear = CostModel(attrs.evolve(base, head_ms=3.5, head_rows_ms=14.0))  # 12 rows cost 4x one: not together
+    wide = CostModel(attrs.evolve(base, head_ms=3.5, head_rows_ms=3.9))
+    assert dear.one_product_rows == 0 and wide.one_product_rows == 12
+    assert CostModel(base).one_product_rows == 0  # a calibration from before they were measured
+    assert wide.scoring_seconds(3.0) == pytest.approx((3.9 + 0.5 * 3.0) / 1000)
+    assert dear.scoring_seconds(3.0) == pytest.approx(4.0 * 3.0 / 1000)
+    priced_each = choose(tree, tracker, dear, 64, max_nodes=64)
+    priced_once = choose(tree, tracker, wide, 64, max_nodes=64)
+    assert len(priced_once.keep) > len(priced_each.keep)
+    assert priced_each.keep == [0, 1] and priced_once.keep == [0, 1, 2, 4]
+    assert priced_once.likeliest(2) == [1, 2] and priced_once.likeliest(11) == [1, 2, 4]  # by chance: 0.6, 0.36, 0.3
+
+
+def test_a_step_scores_its_likeliest_nodes_in_one_head_product(monkeypatch):
+    """With a calibration that says so, every step computes the LM-head rows of the
+    nodes it visits in one product (a node outside the first would take a second),
+    and emits the same tokens as steps scored a row at a time."""
+    model = looping_model("llama-gqa", "float32")
+    # the eagle drafter ranks with its own head: every product of the runner's is scoring
+    # (at most 11 kept nodes: all of them fit the one product)
+    spec = {"preset": "eagle", "drafter": {"weights": "random"}, "retriever": {"name": "ngram"}, "sampling": {"greedy": True},
+            "speculation": {"max_nodes": 11}}
+    prompt = [5, 9, 17, 3] * 3  # the looping model repeats it: n-grams hit
+    results = {}
+    for wide in (False, True):
+        pipe = Pipeline.from_spec(spec, model)
+        pipe._costs = CostModel(attrs.evolve(calibration(0.0, score_ms=2.0), head_ms=1.0,
+                                             head_rows_ms=1.1 if wide else 10.0))
+        products, logits = [], pipe.runner.logits
+        monkeypatch.setattr(pipe.runner, "logits", lambda hidden: products.append(len(hidden)) or logits(hidden))
+        results[wide] = pipe.generate(prompt, 60, seed=3, ignore_eos=True), products
+    (narrow, narrow_products), (wide, wide_products) = results[False], results[True]
+    assert wide.tokens == narrow.tokens and wide.stats.accepted_tokens > 10
+    assert len(wide_products) == wide.stats.steps < len(narrow_products)  # one product a step
+    assert max(wide_products) > 4  # more than the likely path's rows
+
+
 def test_gate_backs_off_while_proposing_does_not_pay_and_resumes_when_it_does():
     gate = DraftGate(longest=4, trial=2)
     pattern = []

@@ -25,6 +25,7 @@ import torch
 from tokenswift.machine import machine_name
 from tokenswift.records import CALIBRATION_FORMAT, CachedRecord, machine_key
 from tokenswift.sampling import make_sampler
+from tokenswift.scoring import ONE_PRODUCT_ROWS
 from tokenswift.timing import chain_forward, interleaved_ms, least_ms, measured_contexts
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,11 @@ class Calibration(CachedRecord):
     score_ms: float  # scoring one node: LM-head row, penalty, warpers, draw
     linears_ms: dict = attrs.field(factory=dict)  # the comparison, ms: forwards of 1/4/16 nodes and the LM head's row
     seconds: float = 0.0  # how long the calibration took
+    # The LM head's product alone, for one row and for ONE_PRODUCT_ROWS rows (None: a
+    # calibration from before they were measured): a step computes its likeliest nodes'
+    # rows in one product (tokenswift.costs.CostModel.scoring_seconds).
+    head_ms: float | None = None
+    head_rows_ms: float | None = None
 
     def forward_seconds(self, nodes: int, context: int) -> float:
         """Seconds of a verify forward of ``nodes`` new tokens over ``context`` positions:
@@ -174,6 +180,9 @@ def calibrate(runner, scorer, *, max_nodes: int = NODE_COUNTS[-1], progress=None
     hidden = torch.zeros(1, runner.config.hidden_size, dtype=runner.dtype, device=runner.device)
     context_ids = scorer.context(list(range(min(scorer.window, 64))), device=runner.device)
     score_ms = least_ms(lambda: sampler.draw(scorer(context_ids, runner.logits(hidden))[0], 0), max(3, repeats))
+    rows = hidden.expand(ONE_PRODUCT_ROWS, -1).contiguous()
+    head_ms = least_ms(lambda: runner.logits(hidden), max(3, repeats))
+    head_rows_ms = least_ms(lambda: runner.logits(rows), max(3, repeats))
     calibration = Calibration(
         key=machine_key(runner),
         machine=machine_name(runner.device),
@@ -187,6 +196,8 @@ def calibrate(runner, scorer, *, max_nodes: int = NODE_COUNTS[-1], progress=None
         nodes=nodes,
         forward_ms=tuple(forward_ms),
         score_ms=round(score_ms, 3),
+        head_ms=round(head_ms, 3),
+        head_rows_ms=round(head_rows_ms, 3),
         linears_ms=linears_ms,
         seconds=round(time.perf_counter() - started, 2),
     )

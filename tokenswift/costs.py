@@ -18,6 +18,12 @@ from collections.abc import Callable
 
 from tokenswift.calibration import Calibration
 from tokenswift.compiling import CompileCalibration
+from tokenswift.scoring import ONE_PRODUCT_ROWS
+
+# The most a product of ONE_PRODUCT_ROWS head rows may cost, against one row, for a
+# step to compute them together (measured 1.12x with the few-rows kernel on a Sapphire
+# Rapids; several times one row for bfloat16 through PyTorch on AVX2).
+WIDE_HEAD_SLACK = 1.5
 
 
 class CostModel:
@@ -76,8 +82,25 @@ class CostModel:
         return self._predicted(nodes, context) * self.scale
 
     @property
-    def score_seconds(self) -> float:
-        return self.calibration.score_ms / 1000 * self.scale
+    def one_product_rows(self) -> int:
+        """How many LM-head rows a step computes in one product, its likeliest nodes'
+        with the root's: :data:`~tokenswift.scoring.ONE_PRODUCT_ROWS` where the
+        calibration measured that many rows at most :data:`WIDE_HEAD_SLACK` times one
+        row (a kernel that reads the head once for all rows), else 0 (the likely path
+        alone, :meth:`~tokenswift.speculation.Choice.likely_path`: where products of
+        several rows are dear, as bfloat16 through PyTorch on AVX2)."""
+        c = self.calibration
+        wide = c.head_ms is not None and c.head_rows_ms is not None and c.head_rows_ms <= WIDE_HEAD_SLACK * c.head_ms
+        return ONE_PRODUCT_ROWS if wide else 0
+
+    def scoring_seconds(self, expected: float) -> float:
+        """Scoring the ``expected`` nodes a step visits (the root, then each accepted
+        node): each node's LM-head row, penalty, warpers and draw; with
+        :attr:`one_product_rows`, the rows in one product (the head read once)."""
+        c = self.calibration
+        if not self.one_product_rows:
+            return c.score_ms * expected / 1000 * self.scale
+        return (c.head_rows_ms + max(c.score_ms - c.head_ms, 0.0) * expected) / 1000 * self.scale
 
     def observe_forward(self, nodes: int, context: int, seconds: float) -> None:
         predicted = self._predicted(nodes, context)

@@ -91,6 +91,15 @@ class Scorer:
         return self.warp(contexts, self.penalize(contexts, logits))
 
 
+# The most LM-head rows a step computes in one product with the root's: the kept nodes
+# likeliest to be visited. Where a kernel reads the head once for all rows, 12 rows cost
+# little more than one (SmolLM2-135M's 57 MB head, bfloat16, the few-rows kernel on a
+# 2-core Sapphire Rapids: 2.56 / 2.70 / 2.88 / 4.14 ms for 1 / 8 / 12 / 16 rows), while a
+# second product for a node outside the first costs a whole one. Whether a machine's
+# products are such is measured (:attr:`tokenswift.calibration.Calibration.head_rows_ms`).
+ONE_PRODUCT_ROWS = 12
+
+
 class NodeScores:
     """``scores[node]``: the processed scores ([vocab]) of one tree node, computed on
     first use and cached.

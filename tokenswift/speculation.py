@@ -97,6 +97,13 @@ class Choice:
     explored: list[int] = attrs.field(factory=list)  # kept only to explore (candidate indices)
 
 
+    def likeliest(self, count: int) -> list[int]:
+        """The ``count`` kept candidates (ids in the candidates' tree) likeliest to be
+        visited, likeliest first (a node is never likelier than its parent, so they
+        hold the likeliest paths)."""
+        kept = sorted(zip(self.keep[1:], self.chance[1:]), key=lambda pair: (-pair[1], pair[0]))
+        return [candidate for candidate, _ in kept[:count]]
+
     def likely_path(self, candidates: DraftTree, *, at_least: float = 0.25, longest: int = 3) -> list[int]:
         """Candidate nodes (ids in ``candidates``, all kept) of the likeliest path below
         the root, as long as each step of it is at least ``at_least`` likely (whose
@@ -134,7 +141,7 @@ def choose(
     is verified whatever it costs: the only way to learn that a proposer the tracker
     doubts has become right. So is, at every step, the likeliest depth-1 candidate of
     a source that gives no confidences while the tracker has not tried one yet."""
-    best_seconds = costs.forward_seconds(1, context) + costs.score_seconds
+    best_seconds = costs.forward_seconds(1, context) + costs.scoring_seconds(1.0)
     if len(tree) == 1:
         return Choice(keep=[0], chance=[1.0], expected_tokens=1.0, seconds=best_seconds)
     chance = chances(tree, tracker)
@@ -144,7 +151,7 @@ def choose(
     seconds = best_seconds
     for k, node in enumerate(order, start=1):
         expected += chance[node]
-        seconds = max(seconds, costs.forward_seconds(k + 1, context) + costs.score_seconds * expected)
+        seconds = max(seconds, costs.forward_seconds(k + 1, context) + costs.scoring_seconds(expected))
         if expected / seconds > best_rate:
             best_k, best_rate, best_seconds = k, expected / seconds, seconds
     kept, explored = set(order[:best_k]), []
@@ -156,7 +163,7 @@ def choose(
     kept.update(explored)
     keep = [0, *sorted(kept)]
     if len(keep) - 1 != best_k:
-        best_seconds = costs.forward_seconds(len(keep), context) + costs.score_seconds * (1 + sum(chance[n] for n in keep[1:]))
+        best_seconds = costs.forward_seconds(len(keep), context) + costs.scoring_seconds(1 + sum(chance[n] for n in keep[1:]))
     return Choice(
         keep=keep,
         chance=[chance[node] for node in keep],
@@ -347,7 +354,9 @@ class AutoSpeculator(Speculator):
         explore = tuple(source for source in proposers if self.gates[source].exploring) if self.max_nodes else ()
         choice = choose(candidates, self.tracker, self.costs, context, self.max_nodes, explore=explore)
         node_of = {candidate: node for node, candidate in enumerate(choice.keep)}  # subtree(keep)'s numbering
-        likely = tuple(node_of[candidate] for candidate in choice.likely_path(candidates))
+        rows = self.costs.one_product_rows
+        likely_candidates = choice.likeliest(rows - 1) if rows else choice.likely_path(candidates)
+        likely = tuple(node_of[candidate] for candidate in likely_candidates)
         return Selection(tree=candidates.subtree(choice.keep), likely=likely, choice=choice)
 
     def learn(self, facts: StepFacts) -> None:

@@ -42,6 +42,13 @@ def run(args, argv: list[str] | None = None) -> int:
     print(f"oneDNN packed linears: forwards {packed}, LM head {'yes' if calibration.packed_lm_head else 'no'}"
           + (f" (measured {calibration.linears_ms})" if calibration.linears_ms else ""))
     print(f"scoring one node: {calibration.score_ms:.2f} ms")
+    if calibration.head_ms is not None and calibration.head_rows_ms is not None:
+        from tokenswift.costs import CostModel
+        from tokenswift.scoring import ONE_PRODUCT_ROWS
+
+        together = "yes" if CostModel(calibration).one_product_rows else "no, the likely path's rows only"
+        print(f"LM head product: {calibration.head_ms:.2f} ms for one row, {calibration.head_rows_ms:.2f} for "
+              f"{ONE_PRODUCT_ROWS} (a step's likeliest nodes scored in one product: {together})")
     print("verify forward, ms, by new tokens (columns) and context length (rows):")
     print(calibration.table())
     print(f"took {calibration.seconds:.1f} s; cached in {Calibration.path(calibration.key)}", file=sys.stderr)

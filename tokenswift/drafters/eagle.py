@@ -25,15 +25,20 @@ from __future__ import annotations
 
 import collections
 import logging
+import weakref
+from pathlib import Path
 
 import attrs
 import torch
 
 from tokenswift import kernels
+from tokenswift.drafters.draft_graphs import LEVEL_ROWS, CompiledLevel
+from tokenswift.drafters.draft_heads import WEIGHTS_NAME
 from tokenswift.drafters.feature_net import FeatureNet, find_shipped_drafter
 from tokenswift.drafters.head_based import coupled_rating
 from tokenswift.errors import SpecError
 from tokenswift.interfaces import Drafter
+from tokenswift.model.compiled import CompileUnavailable
 from tokenswift.model.linear import serve_linears_by_kernel
 from tokenswift.tree import DRAFTER, Branch, SampledChildren
 from tokenswift.validation import boolean, int_at_least, integer, weights_source
@@ -50,14 +55,162 @@ def _threshold(value):
 @attrs.define(eq=False)
 class _Node:
     """A drafted token: its path from depth 1 (tokens, confidences), the chance of the
-    whole path, the predicted feature it is drafted from, and its ancestors' rows in
-    the step's scratch keys."""
+    whole path, the predicted feature it is drafted from, and the scratch row of the
+    pair whose output drafted it (:attr:`DraftKV.no_pair` at depth 1)."""
 
     tokens: list[int]
     confidence: list[float]
     chance: float
     feature: torch.Tensor  # [H]
-    ancestors: list[int]
+    parent_pair: int
+
+
+class DraftKV:
+    """The draft layer's keys and values in buffers of fixed size [1, kv_heads, C, d]:
+    the last ``window`` committed pairs in a ring (keys rotated when written, so their
+    order is nothing to attention), then ``scratch`` rows for the pairs one proposal
+    drafts. A forward reads the columns its mask allows, so its shapes never change
+    (:mod:`tokenswift.drafters.draft_graphs`).
+
+    ``ancestry[i]``: the scratch rows a pair drafted from scratch row i's output sees
+    (its ancestors' pairs and row i itself); row :attr:`no_pair` sees none (depth 1)."""
+
+    def __init__(self, kv_heads: int, head_dim: int, window: int, scratch: int, device) -> None:
+        size = window + scratch
+        self.window, self.scratch = window, scratch
+        self.keys = torch.zeros(1, kv_heads, size, head_dim, device=device)
+        self.values = torch.zeros(1, kv_heads, size, head_dim, device=device)
+        self.committed = torch.zeros(size, dtype=torch.bool, device=device)  # the ring's filled slots
+        self.next_slot = 0
+        self.ancestry = torch.zeros(scratch + 1, scratch, dtype=torch.bool, device=device)
+        self.drafted = 0  # scratch rows used by this proposal
+
+    @property
+    def size(self) -> int:
+        return self.window + self.scratch
+
+    @property
+    def no_pair(self) -> int:
+        return self.scratch
+
+    @property
+    def filled(self) -> int:
+        """Committed pairs held (at most ``window``)."""
+        return int(self.committed.sum())
+
+    def commit(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """keys, values [1, kv_heads, m, d]: the newest committed pairs (only the last
+        ``window`` are kept, replacing the oldest)."""
+        m = min(keys.shape[2], self.window)
+        slots = (self.next_slot + torch.arange(m, device=keys.device)) % self.window
+        self.keys.index_copy_(2, slots, keys[:, :, -m:])
+        self.values.index_copy_(2, slots, values[:, :, -m:])
+        self.committed[slots] = True
+        self.next_slot = (self.next_slot + m) % self.window
+
+    def visible(self, parent_pairs: torch.Tensor) -> torch.Tensor:
+        """parent_pairs [n] long -> [n, C]: the columns each new pair attends to besides
+        itself (every committed pair, its ancestors' drafted pairs)."""
+        scratch = self.ancestry.index_select(0, parent_pairs)  # [n, scratch]
+        return torch.cat([self.committed[: self.window].expand(len(parent_pairs), -1), scratch], 1)
+
+    def draft(self, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """Keep n drafted pairs' keys, values [1, kv_heads, n, d] (``visible`` [n, C]
+        what they saw) in the scratch rows; returns their rows [n]."""
+        n = keys.shape[2]
+        if self.drafted + n > self.scratch:
+            raise ValueError(f"a proposal drafted more than the {self.scratch} pairs its scratch holds")
+        rows = torch.arange(self.drafted, self.drafted + n, device=keys.device)
+        self.keys.index_copy_(2, rows + self.window, keys)
+        self.values.index_copy_(2, rows + self.window, values)
+        ancestry = visible[:, self.window:].clone()
+        ancestry[torch.arange(n, device=keys.device), rows] = True
+        self.ancestry.index_copy_(0, rows, ancestry)
+        self.drafted += n
+        return rows
+
+
+class _DraftParts:
+    """What every ``eagle`` drafter of one model and one network shares: the network,
+    its head, and its compiled level (:class:`~tokenswift.drafters.draft_graphs.CompiledLevel`,
+    built at the first compiled proposal). Shared so that the drafters of a process (a
+    benchmark builds one per preset and seed) compile the level once."""
+
+    def __init__(self, runner, source: str, seed: int, vocab: int | None) -> None:
+        model = runner.model
+        if source == "random":
+            net = FeatureNet.for_model(model).initialise(seed=seed)
+        else:
+            net = FeatureNet.from_pretrained(source, model)
+        self.net = net.to(device=runner.device, dtype=torch.float32).eval()
+        self.embed = model.get_input_embeddings()
+        # The draft vocabulary is sorted by frequency: ``vocab`` keeps its first rows.
+        self.draft_tokens = self.net.draft_tokens[:vocab]
+        # [V', H]: the LM head's rows of the draft vocabulary. Where the runner's products
+        # go through the few-rows kernel (bfloat16), the head stays bfloat16 and a level's
+        # rows are one kernel call: 57 MB read per level instead of 113 MB of float32
+        # through PyTorch (a level's head product measured ~5 ms of the ~22 ms a 4-level
+        # proposal took on an AMD EPYC Zen 4). Drafts only choose what is verified.
+        head = runner.lm_head.weight.detach()[self.draft_tokens]
+        kernel_head = runner.kernel_linears and head.dtype == torch.bfloat16
+        head = head.contiguous() if kernel_head else head.to(torch.float32)
+        self.head, self.kernel_head = head, kernel_head
+        if kernel_head:
+            # The layer's products of a few rows through the kernel too, where the
+            # runner's go through it, its weights in bfloat16 like the head's (the shipped
+            # layer is a bfloat16 copy): float32 through PyTorch they were ~7 ms of a 17 ms
+            # proposal (an AMD EPYC Zen 4); float32 through the kernel, 5.8 ms of a 20 ms
+            # one (8 products a level, a Sapphire Rapids). Drafts only choose what is verified.
+            serve_linears_by_kernel(self.net, torch.bfloat16)
+
+        def head_logits(features: torch.Tensor) -> torch.Tensor:
+            """features [n, H] float32 -> [n, V'] float32 logits over the draft vocabulary."""
+            if kernel_head and len(features) <= kernels.MAX_LINEAR_ROWS:
+                return kernels.few_rows_linear(features.to(torch.bfloat16).contiguous(), head).float()
+            return features @ head.T.to(features.dtype)
+
+        self.head_logits = head_logits
+        self.device = runner.device
+        self._level: CompiledLevel | None = None
+        self._level_problem: str | None = None
+
+    def level(self) -> CompiledLevel | None:
+        """The compiled level (built at the first call), or None where torch.compile
+        cannot run or failed (said once; eager from then on)."""
+        if self._level_problem is not None:
+            return None
+        if self._level is None:
+            try:
+                self._level = CompiledLevel(self.net, self.embed, self.head_logits, self.device)
+            except CompileUnavailable as exc:
+                return self._eager_from_now(exc)
+        if self._level.failure is not None:
+            return self._eager_from_now(self._level.failure)
+        return self._level
+
+    def _eager_from_now(self, problem: Exception) -> None:
+        logger.warning("the eagle draft levels run eagerly: %s", problem)
+        self._level_problem = str(problem)
+        return None
+
+    @classmethod
+    def shared(cls, runner, source: str, seed: int, vocab: int | None) -> _DraftParts:
+        """The parts for ``source`` (a directory, or ``random`` with ``seed``) on
+        ``runner``'s model, made once per process (again where the weights on disk
+        changed)."""
+        stamp = None
+        if source != "random":
+            weights = Path(source) / WEIGHTS_NAME
+            stamp = (weights.stat().st_mtime_ns, weights.stat().st_size) if weights.exists() else None
+        key = (str(source), seed if source == "random" else None, vocab, stamp, runner.kernel_linears, str(runner.device))
+        by_key = _SHARED_PARTS.setdefault(runner.model, {})
+        parts = by_key.get(key)
+        if parts is None:
+            parts = by_key[key] = cls(runner, source, seed, vocab)
+        return parts
+
+
+_SHARED_PARTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: _DraftParts}
 
 
 class EagleDrafter(Drafter):
@@ -95,29 +248,11 @@ class EagleDrafter(Drafter):
                 source = "random"
             else:
                 source = str(shipped)
-        if source == "random":
-            net = FeatureNet.for_model(model).initialise(seed=options.seed)
-        else:
-            net = FeatureNet.from_pretrained(source, model)
-        self.net = net.to(device=runner.device, dtype=torch.float32).eval()
-        self.embed = model.get_input_embeddings()
-        # The draft vocabulary is sorted by frequency: ``vocab`` keeps its first rows.
-        draft_tokens = self.net.draft_tokens[: options.vocab]
-        # [V', H]: the LM head's rows of the draft vocabulary. Where the runner's products
-        # go through the few-rows kernel (bfloat16), the head stays bfloat16 and a level's
-        # rows are one kernel call: 57 MB read per level instead of 113 MB of float32
-        # through PyTorch (a level's head product measured ~5 ms of the ~22 ms a 4-level
-        # proposal took on an AMD EPYC Zen 4). Drafts only choose what is verified.
-        head = runner.lm_head.weight.detach()[draft_tokens]
-        self.kernel_head = runner.kernel_linears and head.dtype == torch.bfloat16
-        self.head = head.contiguous() if self.kernel_head else head.to(torch.float32)
-        if self.kernel_head:
-            # The layer's products of a few rows through the kernel too, where the
-            # runner's go through it, its weights in bfloat16 like the head's (the shipped
-            # layer is a bfloat16 copy): float32 through PyTorch they were ~7 ms of a 17 ms
-            # proposal (an AMD EPYC Zen 4); float32 through the kernel, 5.8 ms of a 20 ms
-            # one (8 products a level, a Sapphire Rapids). Drafts only choose what is verified.
-            serve_linears_by_kernel(self.net, torch.bfloat16)
+        parts = _DraftParts.shared(runner, source, options.seed, options.vocab)
+        self.parts = parts
+        self.net, self.embed, self.head, self.kernel_head = parts.net, parts.embed, parts.head, parts.kernel_head
+        self._head_logits = parts.head_logits
+        draft_tokens = parts.draft_tokens
         self.draft_tokens = draft_tokens.tolist()
         self.draft_token_ids = draft_tokens.to(runner.device)  # [V'] target ids of the draft vocabulary
         # target id -> row of the draft vocabulary; ids outside it -> the extra last column
@@ -152,9 +287,10 @@ class EagleDrafter(Drafter):
     # -- keeping the draft layer's cache in step with the committed text ---------------
 
     def start(self, state) -> None:
-        shape = (1, self.net.config.num_kv_heads, 0, self.net.config.head_dim)
-        self.keys = torch.zeros(shape, device=self.runner.device)
-        self.values = torch.zeros(shape, device=self.runner.device)
+        config, options = self.net.config, self.options
+        # the scratch holds what one proposal drafts: at most ``width`` pairs a level below depth 1
+        self.kv = DraftKV(config.num_kv_heads, config.head_dim, options.window, (options.depth - 1) * options.width,
+                          self.runner.device)
         self.pending_features: list[torch.Tensor] = []  # [H] each, the pairs not yet in the cache
         self.pending_tokens: list[int] = []
         self.next_position = 0  # the position of the first pending pair
@@ -188,26 +324,52 @@ class EagleDrafter(Drafter):
             del self.pending_features[:excess], self.pending_tokens[:excess]
             self.next_position += excess
 
-    def _commit_pending(self) -> tuple[torch.Tensor, int]:
+    def _commit_pending(self) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Run the pending pairs through the layer, keep their keys/values; return the
-        last pair's output ([H], the predicted feature of the root's position) and its
-        position."""
+        last pair's output ([H], the predicted feature of the root's position), its
+        logits over the draft vocabulary ([V']) and its position."""
         m = len(self.pending_tokens)
         device = self.runner.device
-        tokens = torch.tensor(self.pending_tokens, device=device)
         features = self.net.feature(torch.stack(self.pending_features).to(device, torch.float32))  # [m, H]
         positions = torch.arange(self.next_position, self.next_position + m, device=device)
-        old = self.keys.shape[2]
-        mask = torch.ones(m, old + m, dtype=torch.bool, device=device)
-        mask[:, old:] = torch.ones(m, m, dtype=torch.bool, device=device).tril()
-        keys, values, out = self.net.extend(self.embed(tokens).to(torch.float32), features, positions, self.keys, self.values, mask)
-        out = out[-1]
-        window = self.options.window
-        self.keys, self.values = torch.cat([self.keys, keys], 2)[:, :, -window:], torch.cat([self.values, values], 2)[:, :, -window:]
+        visible = self.kv.committed.expand(m, -1)  # every committed pair, no drafted one
+        own = torch.ones(m, m, dtype=torch.bool, device=device).tril()
+        keys, values, out, logits = self._forward(self.pending_tokens, features, positions, visible, own)
+        self.kv.commit(keys, values)
         position = self.next_position + m - 1
         self.next_position += m
         self.pending_features, self.pending_tokens = [], []
-        return out, position
+        return out[-1], logits[-1], position
+
+    def _forward(
+        self, tokens: list[int], features: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor, own: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer and head on n new pairs: ``tokens`` [n], ``features`` [n, H] (the
+        features they follow), ``positions`` [n]; each attends to the cache's columns
+        ``visible`` [n, C] allows and to the new pairs ``own`` [n, n] allows. Returns
+        their keys and values [1, kv_heads, n, d], outputs [n, H] and logits [n, V'].
+        Compiled (at a padded row count) where the target's forwards are, else eager."""
+        n, size, device = len(tokens), self.kv.size, self.runner.device
+        level = self.parts.level() if self.runner.compiled is not None else None
+        rows = CompiledLevel.rows_for(n) if level is not None else None
+        padded = rows or n
+        ids = torch.tensor(tokens + tokens[-1:] * (padded - n), device=device)
+        mask = torch.zeros(padded, size + padded, dtype=torch.bool, device=device)
+        mask[:n, :size] = visible
+        mask[:n, size : size + n] = own
+        if padded > n:  # padding rows repeat the last pair and see only themselves
+            features = torch.cat([features, features[-1:].expand(padded - n, -1)])
+            positions = torch.cat([positions, positions[-1:].expand(padded - n)])
+            mask[n:, size + n :] = torch.eye(padded - n, dtype=torch.bool, device=device)
+        if rows is not None:
+            try:
+                keys, values, out, logits = level(ids, features, positions, self.kv.keys, self.kv.values, mask)
+                return keys[:, :, :n], values[:, :, :n], out[:n], logits[:n]
+            except CompileUnavailable:
+                self.parts.level()  # says so once; eager from now on
+        keys, values, out = self.net.extend(self.embed(ids).to(torch.float32), features, positions, self.kv.keys,
+                                            self.kv.values, mask)
+        return keys[:, :, :n], values[:, :, :n], out[:n], self._head_logits(out[:n])
 
     # -- drafting ----------------------------------------------------------------------
 
@@ -229,10 +391,10 @@ class EagleDrafter(Drafter):
         return 2 * max(self.verified_counts) + 2
 
     def _ranked(
-        self, features: torch.Tensor, tail: torch.Tensor, paths: list[list[int]], k: int, noise: torch.Tensor | None = None,
+        self, logits: torch.Tensor, tail: torch.Tensor, paths: list[list[int]], k: int, noise: torch.Tensor | None = None,
         draw=None,
     ) -> tuple[list[list[int]], list[list[float]], torch.Tensor | None]:
-        """features: [n, H]; tail: [t] the committed tokens the penalty sees; paths: per
+        """logits: [n, V'] the draft head's; tail: [t] the committed tokens the penalty sees; paths: per
         row the drafted tokens after them, before the drafted one (all of one length)
         -> per row the k best draft tokens (target ids) and their
         probabilities, scored as verification will score them: with ``penalize``, the
@@ -243,7 +405,6 @@ class EagleDrafter(Drafter):
         (:func:`~tokenswift.drafters.head_based.coupled_rating`). ``draw(q, k)``: draw
         the k tokens from each row's q instead (the rejection verifier's drafts), and
         return the rows' q over the whole vocabulary as well."""
-        logits = self._head_logits(features)  # [n, V']
         scorer = self.context.scorer
         if self.options.penalize and scorer is not None:
             extended = torch.cat([logits, logits.new_zeros(len(logits), 1)], dim=1)  # [n, V' + 1]
@@ -299,11 +460,25 @@ class EagleDrafter(Drafter):
         top = ranking.topk(min(k, ranking.shape[-1])).indices
         return [top.tolist()], [probs[top].tolist()], None
 
-    def _head_logits(self, features: torch.Tensor) -> torch.Tensor:
-        """features [n, H] float32 -> [n, V'] float32 logits over the draft vocabulary."""
-        if self.kernel_head and len(features) <= kernels.MAX_LINEAR_ROWS:
-            return kernels.few_rows_linear(features.to(torch.bfloat16).contiguous(), self.head).float()
-        return features @ self.head.T.to(features.dtype)
+    @torch.inference_mode()
+    def compile_now(self) -> float:
+        level = self.parts.level()
+        if level is None:
+            return 0.0
+        before, size, device = level.compile_seconds, self.kv.size, self.runner.device
+        for rows in LEVEL_ROWS:
+            if rows in level.compiled_rows():
+                continue
+            mask = torch.zeros(rows, size + rows, dtype=torch.bool, device=device)
+            mask[:, size:] = torch.eye(rows, dtype=torch.bool, device=device)
+            features = torch.zeros(rows, self.net.config.hidden_size, device=device)
+            ids, positions = torch.zeros(rows, dtype=torch.long, device=device), torch.arange(rows, device=device)
+            try:
+                level(ids, features, positions, self.kv.keys, self.kv.values, mask)
+            except CompileUnavailable:
+                self.parts.level()  # says so once; eager from now on
+                break
+        return level.compile_seconds - before
 
     @torch.inference_mode()
     def propose(self, state, inputs):
@@ -316,7 +491,7 @@ class EagleDrafter(Drafter):
         """``root``: the drafting pass of the root (:class:`~tokenswift.interfaces.RootPass`),
         or None: drafted from the layer's own prediction of the root's feature."""
         options = self.options
-        root_feature, root_position = self._commit_pending()
+        root_feature, root_logits, root_position = self._commit_pending()
         window = self.context.scorer.window if self.context.scorer is not None else 0
         # what the penalty sees of the committed text
         tail = torch.tensor(state.tokens[-window:] if window else [], dtype=torch.long, device=self.runner.device)
@@ -324,7 +499,7 @@ class EagleDrafter(Drafter):
         breadth = self.breadth_limit
         width, children = min(options.width, breadth), min(options.children, breadth)
         if root is None:
-            ids, probs, q = self._ranked(root_feature[None], tail, [[]], children, inputs.noise(1), draw(1))
+            ids, probs, q = self._ranked(root_logits[None], tail, [[]], children, inputs.noise(1), draw(1))
         else:
             # The target's own feature of the root's position, not the layer's guess of
             # it: depth 2 is drafted as well as depth 1 is without a pass.
@@ -332,9 +507,10 @@ class EagleDrafter(Drafter):
             ids, probs, q = self._first_from_pass(root, state, children, inputs.noise(1), draw(1))
         sampled = [] if q is None else [SampledChildren([], q[0], ids[0], probs[0])]
         # A candidate the warpers filtered out (probability 0) can never be drawn: dropped.
-        level = [_Node([t], [p], p, root_feature, []) for t, p in zip(ids[0], probs[0]) if p > 0]
+        kv = self.kv
+        level = [_Node([t], [p], p, root_feature, kv.no_pair) for t, p in zip(ids[0], probs[0]) if p > 0]
         drafted = list(level)
-        scratch_keys, scratch_values = self.keys[:, :, :0], self.values[:, :, :0]  # [1, kv_heads, drafted, d]
+        kv.drafted = 0
         device = self.runner.device
         for depth in range(1, self.depth_limit):
             expand = sorted((n for n in level if n.chance >= options.threshold), key=lambda n: -n.chance)[:width]
@@ -344,34 +520,25 @@ class EagleDrafter(Drafter):
                 expand = expand[: max(0, self.proposed - len(drafted)) // children]
             if not expand:
                 break
-            tokens = torch.tensor([n.tokens[-1] for n in expand], device=device)
-            features = torch.stack([n.feature for n in expand])
-            positions = torch.full((len(expand),), root_position + depth, device=device)
-            committed = self.keys.shape[2]
-            first = scratch_keys.shape[2]  # the drafted nodes' pairs so far: the ancestors'
-            mask = torch.zeros(len(expand), committed + first + len(expand), dtype=torch.bool, device=device)
-            mask[:, :committed] = True
-            for row, node in enumerate(expand):
-                mask[row, [committed + a for a in node.ancestors] + [committed + first + row]] = True
-            # eager: compiled with dynamic shapes, the layer made whole-run proposals twice
-            # as slow (10.4 ms for 22 drafted nodes against 4.7 ms for 19; docs/compiled.md)
-            keys, values, out = self.net.extend(
-                self.embed(tokens).to(torch.float32), features, positions,
-                torch.cat([self.keys, scratch_keys], 2), torch.cat([self.values, scratch_values], 2), mask,
+            # each expanded node's pair sees the committed pairs and its ancestors' pairs
+            visible = kv.visible(torch.tensor([n.parent_pair for n in expand], device=device))
+            own = torch.eye(len(expand), dtype=torch.bool, device=device)
+            keys, values, out, logits = self._forward(
+                [n.tokens[-1] for n in expand], torch.stack([n.feature for n in expand]),
+                torch.full((len(expand),), root_position + depth, device=device), visible, own,
             )  # out: [w, H]
-            scratch_keys, scratch_values = torch.cat([scratch_keys, keys], 2), torch.cat([scratch_values, values], 2)
+            pairs = kv.draft(keys, values, visible).tolist()
             ids, probs, q = self._ranked(
-                out, tail, [n.tokens for n in expand], children, inputs.noise(depth + 1), draw(depth + 1)
+                logits, tail, [n.tokens for n in expand], children, inputs.noise(depth + 1), draw(depth + 1)
             )
             if q is not None:
                 sampled.extend(SampledChildren(n.tokens, q[row], ids[row], probs[row]) for row, n in enumerate(expand))
             level = []
             for row, node in enumerate(expand):
-                ancestors = node.ancestors + [first + row]
                 for token, p in zip(ids[row], probs[row]):
                     if p > 0:
                         path, confidence = node.tokens + [token], node.confidence + [p]
-                        level.append(_Node(path, confidence, node.chance * p, out[row], ancestors))
+                        level.append(_Node(path, confidence, node.chance * p, out[row], pairs[row]))
             drafted.extend(level)
         if inputs.sampled:  # every drawn child recorded with its q: the tree is exactly what was drawn
             return sampled

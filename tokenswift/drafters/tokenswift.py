@@ -116,6 +116,9 @@ class TokenSwiftDrafter(HeadDrafter):
         if self.layer is not None:
             self.layer.observe(state, outcome)
 
+    def compile_now(self) -> float:
+        return self.layer.compile_now() if self.layer is not None else 0.0
+
     @torch.inference_mode()
     def propose(self, state, inputs):
         if self.layer is not None:

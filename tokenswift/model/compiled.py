@@ -135,7 +135,7 @@ class CompiledForward:
 
         options = {
             # The model's modules and parameters are fixed for the life of this object
-            # (whose functions are its own: see _own_code), so checking them on every
+            # (whose functions are its own: see own_code), so checking them on every
             # call, ~1 ms a step on a small CPU, is skipped.
             "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
             # A C++ wrapper calls the ~500 kernels of a step without Python in between.
@@ -145,13 +145,13 @@ class CompiledForward:
         # token and each padded tree size): room for them all.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
         self._graphs = {
-            "forward": torch.compile(_own_code(forward), dynamic=False, fullgraph=True, options=options),
-            "logits": torch.compile(_own_code(logits), dynamic=False, fullgraph=True, options=options),
+            "forward": torch.compile(own_code(forward), dynamic=False, fullgraph=True, options=options),
+            "logits": torch.compile(own_code(logits), dynamic=False, fullgraph=True, options=options),
             # Trees: the same forward, a graph per padded size. (Inductor's "freezing",
             # weights packed once for oneDNN, measured no clear gain on Sapphire Rapids:
             # 4 / 8 / 16 / 32 tokens 43.1 / 46.5 / 51.7 / 60.3 ms frozen against 40.1 /
             # 48.5 / 48.0 / 68.9 not, single runs, bfloat16, 2K positions.)
-            "tree": torch.compile(_own_code(forward), dynamic=False, fullgraph=True, options=options),
+            "tree": torch.compile(own_code(forward), dynamic=False, fullgraph=True, options=options),
         }
         self._ready: set[tuple[str, int]] = set()  # (graph, new tokens) compiled
         self.compile_seconds = 0.0  # what compiling the graphs took (first calls)
@@ -219,7 +219,7 @@ class CompiledForward:
 _copies = itertools.count()
 
 
-def _own_code(fn):
+def own_code(fn):
     """``fn`` with a code object of its own. Dynamo keeps compiled graphs per code
     object and, with the module guards skipped, would hand one model's graph to another
     model's closure of the same function."""

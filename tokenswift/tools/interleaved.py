@@ -167,6 +167,9 @@ def compare_presets(
             label: preset_pipeline(name, model, tokenizer, heads=heads, overrides={**overrides, "model": {"compile": choice}})
             for label, (name, choice) in variants.items()
         }
+        if compile_seconds is not None:  # the drafters' compiled levels too, before any timed turn
+            compile_seconds += sum(pipes[label].drafter.compile_now() for label, (_, choice) in variants.items()
+                                   if choice is not False)
         if prefilled is None:  # one prefill of the prompt, copied into every run
             prefilled = prefill_once(pipes, prompt, max(p.kv_capacity(len(prompt), new_tokens) for p in pipes.values()))
         results = run_interleaved(pipes, prompt, new_tokens, seed=seed, progress=progress, prefilled=prefilled)
