@@ -538,3 +538,35 @@ def test_levels_are_drafted_no_wider_than_the_verified_trees_need(tmp_path, monk
     assert result.stats.steps > 12 and rows and max(rows) <= 2 * 3 + 2
     rows, _ = level_rows(64)
     assert rows and min(rows) == 10  # every candidate verified: nothing cut
+
+
+def test_the_level_economy_drafts_a_level_while_the_run_says_it_can_pay():
+    """Depth k+1 is drafted while reach(k) x CONDITIONAL x seconds per token exceeds a
+    level's seconds; until enough steps are seen, the whole limit."""
+    from tokenswift.drafters.eagle import LevelEconomy
+
+    economy = LevelEconomy()
+    assert economy.deepest(6) == 6  # nothing seen yet
+    for accepted in [0, 1, 1, 2, 1, 2, 3, 1] * 4:  # reach(1) = 7/8, reach(2) = 3/8, reach(3) = 1/8
+        economy.observe(accepted, accepted + 1)
+    economy.observe(None, 1)  # a step the drafter proposed nothing in: not counted
+    assert economy.reach(1) == 7 / 8 and economy.reach(3) == 1 / 8
+    economy.level_took(0.002)
+    economy.token_seconds = 0.020  # 20 ms a token: depth k+1 pays while reach(k) > 0.2
+    assert economy.deepest(6) == 3
+    economy.token_seconds = 0.040  # tokens dearer (a long context): reach(3) = 1/8 > 0.1 pays too
+    assert economy.deepest(6) == 4 and economy.deepest(2) == 2
+
+
+def test_chosen_trees_draft_as_deep_as_the_economy_says_fixed_ones_as_configured(tmp_path):
+    model = tiny_model_for("llama-gqa", "float64")
+    drafter = {"weights": decisive_net(model, tmp_path), "threshold": 0.0}
+    pipes = {tree: Pipeline.from_spec({"preset": "eagle", "drafter": drafter, "speculation": {"tree": tree}}, model)
+             for tree in ("auto", "fixed")}
+    for pipe in pipes.values():
+        pipe.generate([5, 9, 17, 3] * 3, 30, seed=0, ignore_eos=True)
+        economy = pipe.drafter.economy
+        assert len(economy.accepted) > 0 and economy.level_seconds > 0 and economy.token_seconds > 0
+        economy.accepted.extend([0] * economy.STEPS)  # nothing drafted is accepted any more
+    assert pipes["auto"].drafter.depth_limit == 1
+    assert pipes["fixed"].drafter.depth_limit == pipes["fixed"].drafter.options.depth
