@@ -20,13 +20,12 @@ in another order) never changes what a run emits.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 
 import torch
 
 from tokenswift.model import compiled as compiled_forwards
-from tokenswift.model.compiled import CompileUnavailable, own_code, use_inductor_cache
+from tokenswift.model.compiled import CompileUnavailable, first_compiled_call, own_code, use_inductor_cache
 
 logger = logging.getLogger(__name__)
 
@@ -87,14 +86,11 @@ class CompiledLevel:
         if self.failure is not None:
             raise self.failure
         graph = torch.compile(own_code(self._level), dynamic=False, fullgraph=True, options=self._options)
-        started = time.perf_counter()
         try:
-            out = graph(tokens, features, positions, keys, values, mask)
-        except Exception as exc:  # inductor fails in many ways; each means "no compiled level here"
-            first_line = str(exc).splitlines()[0] if str(exc) else ""
-            self.failure = CompileUnavailable(f"torch.compile of the draft level failed: {type(exc).__name__}: {first_line}")
-            raise self.failure from exc
-        seconds = time.perf_counter() - started
+            out, seconds = first_compiled_call(graph, (tokens, features, positions, keys, values, mask), " of the draft level")
+        except CompileUnavailable as exc:
+            self.failure = exc
+            raise
         self.compile_seconds += seconds
         self._graphs[rows] = graph
         logger.info("compiled the draft level of %d rows in %.1f s", rows, seconds)

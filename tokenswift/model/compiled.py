@@ -202,18 +202,27 @@ class CompiledForward:
                            "up to ~2 minutes cold on a small CPU)")
         elif key[1] > 1:
             logger.warning("compiling the %d-token tree forward (once per process and size)", key[1])
-        started = time.perf_counter()
         try:
-            out = graph(*args)
-        except Exception as exc:  # inductor fails in many ways; each means "no compiled path here"
-            first_line = str(exc).splitlines()[0] if str(exc) else ""
-            self.failure = CompileUnavailable(f"torch.compile failed: {type(exc).__name__}: {first_line}")
-            raise self.failure from exc
-        seconds = time.perf_counter() - started
+            out, seconds = first_compiled_call(graph, args)
+        except CompileUnavailable as exc:
+            self.failure = exc
+            raise
         self.compile_seconds += seconds
         self._ready.add(key)
         logger.info("compiled the %d-token %s in %.1f s", key[1], "forward" if name == "tree" else name, seconds)
         return out
+
+
+def first_compiled_call(graph, args: tuple, what: str = "") -> tuple[object, float]:
+    """Call ``graph`` for the first time (it compiles now): its output and the seconds
+    it took. A failure raises :class:`CompileUnavailable` naming ``what`` was compiled."""
+    started = time.perf_counter()
+    try:
+        out = graph(*args)
+    except Exception as exc:  # inductor fails in many ways; each means "no compiled path here"
+        first_line = str(exc).splitlines()[0] if str(exc) else ""
+        raise CompileUnavailable(f"torch.compile{what} failed: {type(exc).__name__}: {first_line}") from exc
+    return out, time.perf_counter() - started
 
 
 _copies = itertools.count()
