@@ -125,3 +125,35 @@ def test_an_interrupt_in_the_middle_of_a_step_resumes_exactly(tmp_path, sampler)
     assert saved.tokens == cut.tokens == full.tokens[: len(cut.tokens)]
     resumed = Pipeline.from_spec(spec, model).generate(None, 0, resume=Checkpoint(**{**attrs.asdict(saved), "spec": spec}))
     assert resumed.tokens == full.tokens
+
+
+def test_a_ctrl_c_during_a_forward_ends_the_run_after_that_step(tmp_path, monkeypatch):
+    """SIGINT arriving inside a step's forward: the step completes and is kept, then the
+    run ends "interrupted" with its checkpoint written, and Ctrl-C is Python's again.
+    (Raised inside the forward, the step was lost; inside a compiled forward the
+    interrupt came back from inductor's C++ wrapper as a RuntimeError and the run crashed.)"""
+    import signal
+
+    from tokenswift.checkpoint import Checkpoint
+
+    pipe = Pipeline.from_spec("ar", tiny_model_for("llama-gqa", "float32"))
+    forward, armed, fired = pipe.runner.forward, [], []
+
+    def forward_then_ctrl_c(*args, **kwargs):
+        if armed and not fired:
+            fired.append(1)
+            signal.raise_signal(signal.SIGINT)  # arrives mid-step
+        return forward(*args, **kwargs)
+
+    def stream(chunk):
+        if len(streamed := stream.tokens) + len(chunk.tokens) >= 3:
+            armed.append(1)
+        streamed.extend(chunk.tokens)
+
+    stream.tokens = []
+    monkeypatch.setattr(pipe.runner, "forward", forward_then_ctrl_c)
+    result = pipe.generate([1, 2, 3], 20, seed=0, checkpoint=tmp_path / "run.ckpt", checkpoint_every=100, stream=stream)
+    assert result.stats.finish_reason == "interrupted" and fired
+    assert len(result.tokens) == 4  # the step the interrupt came in was kept, no step after it
+    assert Checkpoint.load(tmp_path / "run.ckpt").tokens == result.tokens
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -10,9 +10,12 @@ data flow of one step, is written down in ``docs/design.md``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -60,6 +63,32 @@ class GenerationResult:
     stats: GenerationStats
     seed: int
     prompt_tokens: list[int]
+
+
+@contextlib.contextmanager
+def deferred_interrupts():
+    """While a generation runs in the main thread, a Ctrl-C (SIGINT with Python's default
+    handler) ends it after the current step instead of inside it; a second one
+    interrupts at once. Yields a function that says whether one came. Inside a compiled
+    forward the interrupt reached Python within the ``tokenswift::attend`` operator,
+    called from inductor's C++ wrapper, and came back as a RuntimeError: a 100K run
+    crashed instead of stopping cleanly (``docs/long-runs.md``)."""
+    came = []
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield lambda: False
+        return
+
+    def note(signum, frame):
+        if came:
+            raise KeyboardInterrupt
+        came.append(signum)
+        logger.warning("interrupted: stopping after this step (Ctrl-C again to stop at once)")
+
+    signal.signal(signal.SIGINT, note)
+    try:
+        yield lambda: bool(came)
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 class Pipeline:
@@ -383,12 +412,15 @@ class Pipeline:
         if checkpoint is not None:
             consumers.append(_PeriodicCheckpoint(run, checkpoint, checkpoint_every))
         try:
-            for record in run.steps():
-                for consume in consumers:
-                    consume(record)
-                if cancel is not None and cancel():
-                    run.finish_reason = "cancelled"
-                    break
+            with deferred_interrupts() as interrupted:
+                for record in run.steps():
+                    for consume in consumers:
+                        consume(record)
+                    if interrupted():
+                        raise KeyboardInterrupt
+                    if cancel is not None and cancel():
+                        run.finish_reason = "cancelled"
+                        break
         except KeyboardInterrupt:
             logger.warning("interrupted after %d new tokens", len(run.new_tokens))
             run.finish_reason = "interrupted"
