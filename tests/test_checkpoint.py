@@ -127,7 +127,8 @@ def test_an_interrupt_in_the_middle_of_a_step_resumes_exactly(tmp_path, sampler)
     assert resumed.tokens == full.tokens
 
 
-def test_a_ctrl_c_during_a_forward_ends_the_run_after_that_step(tmp_path, monkeypatch):
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_a_ctrl_c_during_a_forward_ends_the_run_after_that_step(signame, tmp_path, monkeypatch):
     """SIGINT arriving inside a step's forward: the step completes and is kept, then the
     run ends "interrupted" with its checkpoint written, and Ctrl-C is Python's again.
     (Raised inside the forward, the step was lost; inside a compiled forward the
@@ -136,13 +137,16 @@ def test_a_ctrl_c_during_a_forward_ends_the_run_after_that_step(tmp_path, monkey
 
     from tokenswift.checkpoint import Checkpoint
 
+    signum = getattr(signal, signame)
+    if signum == signal.SIGTERM:  # as `tokenswift generate` handles it
+        previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     pipe = Pipeline.from_spec("ar", tiny_model_for("llama-gqa", "float32"))
     forward, armed, fired = pipe.runner.forward, [], []
 
     def forward_then_ctrl_c(*args, **kwargs):
         if armed and not fired:
             fired.append(1)
-            signal.raise_signal(signal.SIGINT)  # arrives mid-step
+            signal.raise_signal(signum)  # arrives mid-step
         return forward(*args, **kwargs)
 
     def stream(chunk):
@@ -156,4 +160,6 @@ def test_a_ctrl_c_during_a_forward_ends_the_run_after_that_step(tmp_path, monkey
     assert result.stats.finish_reason == "interrupted" and fired
     assert len(result.tokens) == 4  # the step the interrupt came in was kept, no step after it
     assert Checkpoint.load(tmp_path / "run.ckpt").tokens == result.tokens
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signum) is signal.default_int_handler
+    if signum == signal.SIGTERM:
+        signal.signal(signal.SIGTERM, previous)

@@ -67,28 +67,32 @@ class GenerationResult:
 
 @contextlib.contextmanager
 def deferred_interrupts():
-    """While a generation runs in the main thread, a Ctrl-C (SIGINT with Python's default
-    handler) ends it after the current step instead of inside it; a second one
+    """While a generation runs in the main thread, a Ctrl-C (SIGINT, and SIGTERM where
+    it is handled as one, as ``tokenswift generate`` does), whose handler is Python's
+    default one, ends it after the current step instead of inside it; a second one
     interrupts at once. Yields a function that says whether one came. Inside a compiled
     forward the interrupt reached Python within the ``tokenswift::attend`` operator,
     called from inductor's C++ wrapper, and came back as a RuntimeError: a 100K run
     crashed instead of stopping cleanly (``docs/long-runs.md``)."""
     came = []
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+    if threading.current_thread() is not threading.main_thread():
         yield lambda: False
         return
+    deferred = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) is signal.default_int_handler]
 
     def note(signum, frame):
         if came:
             raise KeyboardInterrupt
         came.append(signum)
-        logger.warning("interrupted: stopping after this step (Ctrl-C again to stop at once)")
+        logger.warning("interrupted: stopping after this step (again to stop at once)")
 
-    signal.signal(signal.SIGINT, note)
+    for signum in deferred:
+        signal.signal(signum, note)
     try:
         yield lambda: bool(came)
     finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for signum in deferred:
+            signal.signal(signum, signal.default_int_handler)
 
 
 class Pipeline:

@@ -177,7 +177,8 @@ def run(args, argv: list[str] | None = None) -> int:
     plugin = ProgressPlugin()
     pipe.plugin_manager.register(plugin)
     out_file = None
-    previous_sigterm = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    # SIGTERM as Ctrl-C: a clean stop after the current step (tokenswift.pipeline.deferred_interrupts)
+    previous_sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         if args.out and primary:
             # Written as it is generated (flushed every step); a checkpoint beside it
@@ -234,5 +235,3 @@ def run(args, argv: list[str] | None = None) -> int:
     return 0
 
 
-def _raise_keyboard_interrupt(signum, frame):
-    raise KeyboardInterrupt
