@@ -94,10 +94,9 @@ class DraftKV:
     def no_pair(self) -> int:
         return self.scratch
 
-    @property
-    def filled(self) -> int:
-        """Committed pairs held (at most ``window``)."""
-        return int(self.committed.sum())
+    def start_proposal(self) -> None:
+        """A proposal starts: its drafted pairs take the scratch rows from the first."""
+        self.drafted = 0
 
     def commit(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """keys, values [1, kv_heads, m, d]: the newest committed pairs (only the last
@@ -579,7 +578,7 @@ class EagleDrafter(Drafter):
         kv = self.kv
         level = [_Node([t], [p], p, root_feature, kv.no_pair) for t, p in zip(ids[0], probs[0]) if p > 0]
         drafted = list(level)
-        kv.drafted = 0
+        kv.start_proposal()
         device = self.runner.device
         for depth in range(1, self.depth_limit):
             level_started = time.perf_counter()
