@@ -304,3 +304,15 @@ def test_a_calibration_with_one_node_count_extrapolates_in_proportion():
     single = attrs.evolve(calibration(2.0), nodes=(1,), forward_ms=((10.0,), (15.0,)))
     costs = CostModel(single)
     assert costs.forward_seconds(3, 64) == pytest.approx(0.030) and costs.forward_seconds(1, 64) == pytest.approx(0.010)
+
+
+def test_scoring_in_one_product_is_lossless_under_sampling():
+    """The likeliest nodes' rows computed in one product, the paper's kind of sampling:
+    the distribution test of every run (assert_lossless)."""
+    spec = {"preset": "eagle", "drafter": {"weights": "random"}, "retriever": {"name": "ngram"},
+            "sampling": {"temperature": 1.0, "min_p": 0.1}}
+    pipe = Pipeline.from_spec(spec, looping_model())
+    pipe._costs = CostModel(attrs.evolve(calibration(0.0, score_ms=2.0), head_ms=1.0, head_rows_ms=1.1))
+    assert pipe._costs.one_product_rows == 12
+    result = assert_lossless(pipe, [5, 9, 17, 3] * 3, 40, seed=2)
+    assert result.stats.verified_tokens > 0
