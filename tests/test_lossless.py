@@ -55,11 +55,12 @@ COMBINATIONS = list(itertools.product(DRAFTERS, RETRIEVERS, CACHES, PENALTIES))
     arch=st.sampled_from(["llama-mha", "llama-gqa", "qwen2", "looping"]),
     dtype=st.sampled_from(["float32", "float64"]),
     sampling=st.sampled_from(SAMPLINGS),
-    tree=st.sampled_from(["auto", "fixed"]),
+    # auto trees with the plain guard (timings may then pick plain steps) and without it
+    speculation=st.sampled_from([{"tree": "auto"}, {"tree": "auto", "plain_guard": False}, {"tree": "fixed"}]),
     prompt=prompts(),
     seed=st.integers(0, 2**31),
 )
-def test_every_combination_is_lossless(drafter, retriever, cache, penalty, arch, dtype, sampling, tree, prompt, seed):
+def test_every_combination_is_lossless(drafter, retriever, cache, penalty, arch, dtype, sampling, speculation, prompt, seed):
     spec = {
         "preset": "ar",
         "drafter": DRAFTERS[drafter],
@@ -67,7 +68,7 @@ def test_every_combination_is_lossless(drafter, retriever, cache, penalty, arch,
         "cache": CACHES[cache],
         "penalty": PENALTIES[penalty],
         "sampling": sampling,
-        "speculation": {"tree": tree},
+        "speculation": speculation,
     }
     model = looping_model("llama-gqa", dtype) if arch == "looping" else tiny_model_for(arch, dtype)
     assert_lossless(Pipeline.from_spec(spec, model), prompt, 24, seed=seed)

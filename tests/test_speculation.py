@@ -10,7 +10,8 @@ import pytest
 from tokenswift import Pipeline, SpecError
 from tokenswift.calibration import Calibration, calibrate, calibration_for, load_calibration
 from tokenswift.costs import CostModel
-from tokenswift.speculation import AcceptanceTracker, DraftGate, PassChooser, choose
+from tokenswift.interfaces import Verdict
+from tokenswift.speculation import AcceptanceTracker, AutoSpeculator, BurstChooser, DraftGate, StepFacts, choose
 from tokenswift.testing import assert_lossless, looping_model, tiny_model_for
 from tokenswift.tree import DRAFTER, RETRIEVER, Branch, DraftTree
 
@@ -143,7 +144,7 @@ def test_a_step_scores_its_likeliest_nodes_in_one_head_product(monkeypatch):
     # the eagle drafter ranks with its own head: every product of the runner's is scoring
     # (at most 11 kept nodes: all of them fit the one product)
     spec = {"preset": "eagle", "drafter": {"weights": "random"}, "retriever": {"name": "ngram"}, "sampling": {"greedy": True},
-            "speculation": {"max_nodes": 11}}
+            "speculation": {"max_nodes": 11, "plain_guard": False}}  # the made-up costs alone decide
     prompt = [5, 9, 17, 3] * 3  # the looping model repeats it: n-grams hit
     results = {}
     for wide in (False, True):
@@ -178,45 +179,45 @@ def test_gate_backs_off_while_proposing_does_not_pay_and_resumes_when_it_does():
     assert not gate.draft()  # no longer
 
 
-def test_pass_chooser_prefers_the_faster_arm_and_keeps_exploring():
-    chooser = PassChooser(explore_every=4, burst=1)
-    assert chooser.run_pass() is True
+def test_burst_chooser_prefers_the_faster_arm_and_keeps_exploring():
+    chooser = BurstChooser(explore_every=4, burst=1)
+    assert chooser.pick() is True
     chooser.observe(True, tokens=3, seconds=0.1)  # 30 tokens/s with the pass
-    assert chooser.run_pass() is False
+    assert chooser.pick() is False
     chooser.observe(False, tokens=1, seconds=0.1)  # 10 without
     picks = []
     for _ in range(12):
-        ran = chooser.run_pass()
+        ran = chooser.pick()
         picks.append(ran)
         chooser.observe(ran, tokens=3 if ran else 1, seconds=0.1)
     # explores the other arm at the 4th step, then (still the worse) 8 steps later
     assert [step for step, ran in enumerate(picks) if not ran] == [3, 11]
 
 
-def test_pass_chooser_tries_a_losing_arm_ever_less_often_and_switches_when_it_wins():
-    chooser = PassChooser(explore_every=4, longest=16, burst=1)
-    chooser.run_pass(), chooser.observe(True, tokens=1, seconds=0.1)  # 10 tokens/s with the pass
-    chooser.run_pass(), chooser.observe(False, tokens=3, seconds=0.1)  # 30 without
+def test_burst_chooser_tries_a_losing_arm_ever_less_often_and_switches_when_it_wins():
+    chooser = BurstChooser(explore_every=4, longest=16, burst=1)
+    chooser.pick(), chooser.observe(True, tokens=1, seconds=0.1)  # 10 tokens/s with the pass
+    chooser.pick(), chooser.observe(False, tokens=3, seconds=0.1)  # 30 without
     tries = []
     for step in range(60):
-        ran = chooser.run_pass()
+        ran = chooser.pick()
         if ran:
             tries.append(step)
         chooser.observe(ran, tokens=1 if ran else 3, seconds=0.1)
     assert tries[0] == 3 and [b - a for a, b in zip(tries, tries[1:])] == [8, 16, 16, 16]  # 4th step, then 8, 16, at most 16
     # the pass arm becomes the faster one: once tried, it stays
-    chooser = PassChooser(explore_every=4, burst=1)
-    chooser.run_pass(), chooser.observe(True, tokens=1, seconds=0.1)
-    chooser.run_pass(), chooser.observe(False, tokens=3, seconds=0.1)
+    chooser = BurstChooser(explore_every=4, burst=1)
+    chooser.pick(), chooser.observe(True, tokens=1, seconds=0.1)
+    chooser.pick(), chooser.observe(False, tokens=3, seconds=0.1)
     picks = []
     for _ in range(40):
-        ran = chooser.run_pass()
+        ran = chooser.pick()
         picks.append(ran)
         chooser.observe(ran, tokens=30 if ran else 3, seconds=0.1)  # passes now pay 10x
     assert picks[3] is True and picks[4:].count(False) <= 3  # switched; the other arm only tried, ever less often
 
 
-def test_pass_chooser_is_not_fooled_by_one_unlucky_step():
+def test_burst_chooser_is_not_fooled_by_one_unlucky_step():
     """Steps without the pass earn 1-3 tokens in 75 ms (26.7 tokens/s on average), steps
     with it 2 tokens in 100 ms (20): the chooser settles on no pass within its first
     bursts, although the first step it ran without one earned a single token."""
@@ -225,17 +226,17 @@ def test_pass_chooser_is_not_fooled_by_one_unlucky_step():
         without = iter([1, 3, 2, 3, 1, 2] * 100)
         picks = []
         for _ in range(steps):
-            ran = chooser.run_pass()
+            ran = chooser.pick()
             picks.append(ran)
             chooser.observe(ran, tokens=2 if ran else next(without), seconds=0.1 if ran else 0.075)
         return picks
 
-    picks = run(PassChooser())
+    picks = run(BurstChooser())
     assert picks[:4] == [True] * 4 and picks[4:8] == [False] * 4  # each arm tried for a burst first
     # then no pass but for a burst of passes now and then (a run of ~80 steps is a
     # 32K run's 150 tokens; judged a step at a time, it passed until step ~48)
     assert picks[8:80].count(False) >= 60 and picks[100:].count(False) > 85
-    assert PassChooser().rate(True) is None
+    assert BurstChooser().rate(True) is None
 
 
 # -- in the pipeline ---------------------------------------------------------------------------
@@ -259,6 +260,57 @@ def test_timings_change_the_trees_never_the_tokens(sampling):
     # explorations (a gated proposer's likeliest candidate, now and then)
     assert cheap.stats.verified_tokens > 40 and cheap.stats.steps < 40
     assert dear.stats.verified_tokens / dear.stats.steps < 0.5 and dear.stats.steps > cheap.stats.steps
+
+
+def test_speculation_stops_where_its_steps_realise_fewer_tokens_per_second(monkeypatch):
+    """A cost the gates and the cost model do not see (here 30 ms of verification for
+    every tree of more than the root; on a real machine the scoring of more nodes and
+    the drafter's bookkeeping): the plain guard settles on plain steps, but for a burst
+    of trials now and then, and the tokens do not change. Nodes are free to the cost
+    model, so without the guard the gates alone decide and many more steps verify a tree."""
+    import time as clock
+
+    prompt = [5, 6, 7, 8] * 4
+    trees = {}
+    for guard in (True, False):
+        spec = {"preset": "eagle", "drafter": {"weights": "random"}, "retriever": {"name": "ngram"},
+                "sampling": {"greedy": True}, "speculation": {"plain_guard": guard}}
+        pipe = with_costs(Pipeline.from_spec(spec, looping_model()), 0.0)
+        verify = pipe.verifier.verify
+
+        def slow_for_trees(tree, scores, sampler, verify=verify):
+            if len(tree) > 1:
+                clock.sleep(0.03)
+            return verify(tree, scores, sampler)
+
+        monkeypatch.setattr(pipe.verifier, "verify", slow_for_trees)
+        records = list(pipe.steps(prompt, 48, seed=0, ignore_eos=True))
+        plain = with_costs(Pipeline.from_spec(spec, looping_model()), 0.0).generate(prompt, 48, seed=0, ignore_eos=True)
+        assert [token for r in records for token in r.emitted] == plain.tokens
+        trees[guard] = [r.verified > 0 for r in records]
+    assert sum(trees[True][:8]) >= 3  # each arm first measured for a burst
+    assert sum(trees[True][8:]) <= 0.25 * len(trees[True][8:])  # then plain steps but for trials
+    assert sum(trees[False]) >= 2 * sum(trees[True]) and sum(trees[False][8:]) > 0.25 * len(trees[False][8:])
+
+
+def test_a_step_that_compiled_a_graph_teaches_the_choosers_and_gates_nothing():
+    """A graph met for the first time compiles inside a step (seconds): that step's
+    timings say nothing of the steps to come, so neither the plain guard, the pass
+    chooser, the gates nor the cost model learn from them (only the acceptance does)."""
+    speculator = AutoSpeculator(CostModel(calibration(0.0)), 8)
+    assert speculator.proposers() == (DRAFTER, RETRIEVER)  # the guard's first burst speculates
+    tree = DraftTree.root_only(1)
+    tree.add_branch([7], parent=0)
+    facts = StepFacts(tree=tree, verdict=Verdict(accepted=[1], bonus=2), context=64, forward_seconds=5.0,
+                      step_seconds=5.0, proposing_seconds={DRAFTER: 0.001}, drafting_pass=True, view_seconds=0.0,
+                      emitted=2, compile_seconds=4.9)
+    speculator.learn(facts)
+    assert speculator.speculating.samples == speculator.passes.samples == {True: 0, False: 0}
+    assert not speculator.gates[DRAFTER].recent and speculator.tracker.depth_rate(DRAFTER, 1) > 0.05
+    speculator.proposers()
+    speculator.learn(attrs.evolve(facts, compile_seconds=0.0))  # the same step without a compile
+    assert speculator.speculating.samples[True] == speculator.passes.samples[True] == 1
+    assert len(speculator.gates[DRAFTER].recent) == 1
 
 
 def test_auto_trees_are_lossless_and_report_their_decisions():
@@ -293,6 +345,7 @@ def test_fixed_trees_verify_every_candidate_with_a_pass_each_step():
     ("speculation", "message"),
     [({"tree": "dynamic"}, r"speculation.tree must be one of \['auto', 'fixed'\], got 'dynamic'"),
      ({"max_nodes": -1}, r"speculation.max_nodes must be an integer >= 0, got -1"),
+     ({"plain_guard": "yes"}, r"speculation.plain_guard must be true or false, got 'yes'"),
      ({"nodes": 3}, r"\[speculation\] has unknown option\(s\) \['nodes'\]")],
 )
 def test_bad_speculation_settings(speculation, message):

@@ -39,6 +39,7 @@ from tokenswift.errors import NonFiniteScoresError
 from tokenswift.interfaces import (
     CachePolicy, Component, DecodeState, Drafter, DraftInputs, Retriever, RootPass, StepOutcome, Verdict, Verifier,
 )
+from tokenswift.model.compiled import compiling_seconds
 from tokenswift.model.kv import FullView
 from tokenswift.model.runner import PrefilledPrompt, Runner, select_features
 from tokenswift.sampling import STREAM_DRAFTS, make_sampler
@@ -222,6 +223,7 @@ class Generation:
         clock = StageClock(runner.device)
         while state.generated < self.max_new_tokens and self.finish_reason == "length":
             clock.start()
+            compiling_before = compiling_seconds()
             candidates, proposing, root_pass = self.propose()
             context = runner.committed_length
             selection = speculator.select(candidates, tuple(proposing), context)
@@ -246,6 +248,7 @@ class Generation:
                 tree=tree, verdict=verdict, context=context, forward_seconds=clock.seconds["forward"],
                 step_seconds=sum(clock.seconds.values()), proposing_seconds=proposing,
                 drafting_pass=root_pass.ran, view_seconds=root_pass.view_seconds, emitted=len(emitted),
+                compile_seconds=compiling_seconds() - compiling_before,
             ))
             choice = selection.choice
             yield StepRecord(

@@ -164,10 +164,15 @@ class SpeculationSpec:
     """How each step's tree is chosen. ``tree = "auto"``: the candidates worth verifying
     on this machine, by expected tokens per predicted second (possibly none: a plain
     step); ``"fixed"``: every candidate, and the drafting pass every step (the paper's
-    setting, for ablations). ``max_nodes``: the most candidates verified in one step."""
+    setting, for ablations). ``max_nodes``: the most candidates verified in one step.
+    ``plain_guard`` (auto trees): steps that speculate are also compared with plain
+    steps by the tokens per second each realises, and the faster kept (the cost model
+    prices forwards and proposals, not everything a speculative step takes); off, the
+    cost model alone decides (for ablations of its choices)."""
 
     tree: str = attrs.field(default="auto")
     max_nodes: int = attrs.field(default=64)
+    plain_guard: bool = attrs.field(default=True)
 
     @tree.validator
     def _check_tree(self, _attribute, value):
@@ -178,6 +183,11 @@ class SpeculationSpec:
     def _check_max_nodes(self, _attribute, value):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise SpecError(f"speculation.max_nodes must be an integer >= 0, got {value!r}")
+
+    @plain_guard.validator
+    def _check_plain_guard(self, _attribute, value):
+        if not isinstance(value, bool):
+            raise SpecError(f"speculation.plain_guard must be true or false, got {value!r}")
 
     @classmethod
     def from_value(cls, value: Any) -> SpeculationSpec:

@@ -213,15 +213,28 @@ class CompiledForward:
         return out
 
 
+_compiling_seconds = 0.0  # what every first compiled call of this process took
+
+
+def compiling_seconds() -> float:
+    """The seconds this process has spent in first compiled calls so far (a clock that
+    only moves while compiling): what a step took less what compiling took in it is
+    what the step would take again."""
+    return _compiling_seconds
+
+
 def first_compiled_call(graph, args: tuple, what: str = "") -> tuple[object, float]:
     """Call ``graph`` for the first time (it compiles now): its output and the seconds
     it took. A failure raises :class:`CompileUnavailable` naming ``what`` was compiled."""
+    global _compiling_seconds
     started = time.perf_counter()
     try:
         out = graph(*args)
     except Exception as exc:  # inductor fails in many ways; each means "no compiled path here"
         first_line = str(exc).splitlines()[0] if str(exc) else ""
         raise CompileUnavailable(f"torch.compile{what} failed: {type(exc).__name__}: {first_line}") from exc
+    finally:
+        _compiling_seconds += time.perf_counter() - started
     return out, time.perf_counter() - started
 
 
