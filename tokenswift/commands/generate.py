@@ -233,5 +233,3 @@ def run(args, argv: list[str] | None = None) -> int:
         )
         return 1
     return 0
-
-

@@ -234,8 +234,9 @@ def first_compiled_call(graph, args: tuple, what: str = "") -> tuple[object, flo
         first_line = str(exc).splitlines()[0] if str(exc) else ""
         raise CompileUnavailable(f"torch.compile{what} failed: {type(exc).__name__}: {first_line}") from exc
     finally:
-        _compiling_seconds += time.perf_counter() - started
-    return out, time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        _compiling_seconds += seconds
+    return out, seconds
 
 
 _copies = itertools.count()
