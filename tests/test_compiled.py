@@ -362,7 +362,7 @@ def test_trees_compile_at_the_sizes_that_pay():
     )
     untested = attrs.evolve(measured, tree_sizes=(), tree_eager_ms=(), tree_compiled_ms=())
     assert tree_sizes(Compiled, "auto", measured) == tree_sizes(Compiled, True, measured) == (4, 16)
-    assert tree_sizes(Compiled, True, untested) == (4, 5, 8, 16, 32) and tree_sizes(Compiled, "auto", untested) == ()
+    assert tree_sizes(Compiled, True, untested) == (2, 4, 5, 8, 16, 32) and tree_sizes(Compiled, "auto", untested) == ()
     Compiled.compiled = None
     assert tree_sizes(Compiled, True, measured) == ()
     with pytest.raises(ValueError, match="sizes must be >= 2"):
@@ -371,10 +371,10 @@ def test_trees_compile_at_the_sizes_that_pay():
 
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "sizes"),
-    [(9, 3, (4, 5, 8, 16, 32)), (32, 8, (4, 8, 16, 32)), (4, 4, (4, 8, 16, 32)), (64, 8, (2, 4, 8, 16, 32)), (8, None, (4, 8, 16, 32))],
+    [(9, 3, (2, 4, 5, 8, 16, 32)), (32, 8, (2, 4, 8, 16, 32)), (4, 4, (2, 4, 8, 16, 32)), (64, 8, (2, 4, 8, 16, 32)), (8, None, (2, 4, 8, 16, 32))],
 )
 def test_a_tree_size_fills_one_tile_of_the_decode_kernels_rows(heads, kv_heads, sizes):
-    """Besides 4, 8, 16, 32: the most new tokens whose query rows (g per KV head) fit
+    """Besides 2, 4, 8, 16, 32: the most new tokens whose query rows (g per KV head) fit
     the kernel's 16-row tile, e.g. 5 for 9 query / 3 KV heads (a 5-token tree padded to
     8 would pay for a second row group)."""
     from types import SimpleNamespace

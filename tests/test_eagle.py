@@ -570,3 +570,58 @@ def test_chosen_trees_draft_as_deep_as_the_economy_says_fixed_ones_as_configured
         economy.accepted.extend([0] * economy.STEPS)  # nothing drafted is accepted any more
     assert pipes["auto"].drafter.depth_limit == 1
     assert pipes["fixed"].drafter.depth_limit == pipes["fixed"].drafter.options.depth
+
+
+def test_chosen_trees_start_small_and_plain_steps_do_not_narrow_them(tmp_path):
+    """Where the tree choice verifies, the first proposal drafts two levels below depth 1
+    and expands ten nodes a level (it grows with what the choice verifies); fixed trees
+    draft everything from the first step. Steps that asked for no proposal (plain steps,
+    ``max_nodes = 0`` or the plain guard's) leave what the drafter learnt of the verified
+    trees as it was: after a stretch of them a proposal is as wide as before it."""
+    model = tiny_model_for("llama-gqa", "float64")
+    drafter = {"weights": decisive_net(model, tmp_path), "threshold": 0.0}
+
+    def started(tree, max_nodes=64):
+        spec = {"preset": "eagle", "drafter": drafter, "speculation": {"tree": tree, "max_nodes": max_nodes}}
+        pipe = Pipeline.from_spec(spec, model)
+        generation = pipe.start([5, 9, 17, 3] * 3, 24, seed=0, ignore_eos=True)
+        generation.prefill()
+        return pipe, generation
+
+    pipe, _ = started("auto")
+    assert (pipe.drafter.depth_limit, pipe.drafter.breadth_limit) == (3, 10)
+    pipe, _ = started("fixed")
+    options = pipe.drafter.options
+    assert pipe.drafter.depth_limit == options.depth and pipe.drafter.breadth_limit >= max(options.width, options.children)
+    pipe, generation = started("auto", max_nodes=0)
+    steps = list(generation.steps())
+    assert len(steps) == 24 and all(step.candidates == 0 for step in steps)  # no proposal asked
+    assert (pipe.drafter.depth_limit, pipe.drafter.breadth_limit) == (3, 10)
+
+
+def test_a_proposal_after_plain_steps_drafts_what_one_after_every_step_does(tmp_path):
+    """After steps that asked for no proposal, the layer catches up on every pair they
+    committed in one forward, and drafts from the last: the same drafts, at the same
+    committed text, as a drafter that proposed at every step."""
+    model = tiny_model_for("llama-gqa", "float64")
+    drafter = {"weights": decisive_net(model, tmp_path), "threshold": 0.0, "depth": 3, "width": 3, "children": 3}
+    spec = {"preset": "eagle", "drafter": drafter, "sampling": {"greedy": True}, "retriever": {"name": "none"},
+            "speculation": {"tree": "fixed", "max_nodes": 8}}
+    proposals = {}
+    for skip in (False, True):
+        pipe = Pipeline.from_spec(spec, model)
+        propose, calls, seen = pipe.drafter.propose, [0], proposals.setdefault(skip, {})
+
+        def recording(state, inputs, propose=propose, calls=calls, seen=seen, skip=skip):
+            calls[0] += 1
+            if skip and calls[0] % 3:  # two steps in three plain: their pairs wait
+                return []
+            branches = propose(state, inputs)
+            seen[len(state.tokens)] = [tuple(b.tokens) for b in branches]
+            return branches
+
+        pipe.drafter.propose = recording
+        pipe.generate([5, 9, 17, 3, 8, 1] * 2, 40, seed=0, ignore_eos=True)
+    common = sorted(set(proposals[False]) & set(proposals[True]))
+    assert len(common) >= 3
+    assert all(proposals[True][n] == proposals[False][n] for n in common)
