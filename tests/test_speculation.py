@@ -217,6 +217,34 @@ def test_burst_chooser_tries_a_losing_arm_ever_less_often_and_switches_when_it_w
     assert picks[3] is True and picks[4:].count(False) <= 3  # switched; the other arm only tried, ever less often
 
 
+def test_a_burst_ends_after_two_steps_that_could_not_earn():
+    """Steps of the tried arm whose tree choice kept no proposed node (``futile``) end
+    its burst after two of them; steps that earned, however few, run the whole burst."""
+
+    def burst_length(futile):
+        chooser = BurstChooser(explore_every=4, burst=4)
+        steps = 0
+        while chooser.pick():
+            steps += 1
+            chooser.observe(True, tokens=1, seconds=0.1, futile=futile(steps))
+        return steps
+
+    assert burst_length(lambda step: False) == 4
+    assert burst_length(lambda step: True) == 2
+    assert burst_length(lambda step: step != 2) == 3  # the 1st and 3rd were futile
+    # an exploring burst of the losing arm ends likewise
+    chooser = BurstChooser(explore_every=4, burst=4)
+    for arm, tokens in ((True, 1), (True, 1), (True, 1), (True, 1), (False, 3), (False, 3), (False, 3), (False, 3)):
+        assert chooser.pick() is arm
+        chooser.observe(arm, tokens=tokens, seconds=0.1)
+    picks = []
+    for _ in range(6):
+        ran = chooser.pick()
+        picks.append(ran)
+        chooser.observe(ran, tokens=1 if ran else 3, seconds=0.1, futile=ran)
+    assert picks == [False, False, False, True, True, False]
+
+
 def test_burst_chooser_is_not_fooled_by_one_unlucky_step():
     """Steps without the pass earn 1-3 tokens in 75 ms (26.7 tokens/s on average), steps
     with it 2 tokens in 100 ms (20): the chooser settles on no pass within its first
@@ -291,6 +319,31 @@ def test_speculation_stops_where_its_steps_realise_fewer_tokens_per_second(monke
     assert sum(trees[True][:8]) >= 3  # each arm first measured for a burst
     assert sum(trees[True][8:]) <= 0.25 * len(trees[True][8:])  # then plain steps but for trials
     assert sum(trees[False]) >= 2 * sum(trees[True]) and sum(trees[False][8:]) > 0.25 * len(trees[False][8:])
+
+
+def test_the_guard_ends_a_trial_after_two_steps_whose_tree_kept_no_proposed_node():
+    """A step that may speculate, whose proposers ran but whose tree choice kept only the
+    root, could not have earned: after two of them the guard's burst ends and plain
+    steps follow. A step that kept a node counts as a trial step like any other."""
+
+    def facts(tree, emitted):
+        return StepFacts(tree=tree, verdict=Verdict(accepted=list(range(1, emitted)), bonus=2), context=64,
+                         forward_seconds=0.01, step_seconds=0.05, proposing_seconds={DRAFTER: 0.03},
+                         drafting_pass=None, view_seconds=0.0, emitted=emitted)
+
+    root_only = DraftTree.root_only(1)
+    speculator = AutoSpeculator(CostModel(calibration(0.0)), 8)
+    for _ in range(2):
+        assert speculator.proposers() == (DRAFTER, RETRIEVER)
+        speculator.learn(facts(root_only, 1))
+    assert speculator.proposers() == ()  # the burst ended early: plain steps measured next
+    kept = DraftTree.root_only(1)
+    kept.add_branch([7], parent=0)
+    speculator = AutoSpeculator(CostModel(calibration(0.0)), 8)
+    for _ in range(3):
+        assert speculator.proposers() == (DRAFTER, RETRIEVER)
+        speculator.learn(facts(kept, 1))
+    assert speculator.proposers() == (DRAFTER, RETRIEVER)  # the fourth step of the burst
 
 
 def test_a_step_that_compiled_a_graph_teaches_the_choosers_and_gates_nothing():
