@@ -154,7 +154,7 @@ def test_an_eagle_drafter_on_fused_features_is_lossless(fused_eagle, retriever, 
     seed=st.integers(0, 2**31),
 )
 def test_compiled_tree_verify_forwards_are_lossless(preset, sampling, prompt, seed):
-    """compile = true: one-token forwards and trees (padded to 4/8/16/32) compiled."""
+    """compile = true: one-token forwards and trees (padded to 2/4/8/16/32) compiled."""
     from tokenswift.model.compiled import compiler_problem
     import torch
 
