@@ -85,7 +85,9 @@ class CompiledLevel:
             return graph(tokens, features, positions, keys, values, mask)
         if self.failure is not None:
             raise self.failure
-        graph = torch.compile(own_code(self._level), dynamic=False, fullgraph=True, options=self._options)
+        # a copy: torch.compile pops "guard_filter_fn" out of its options, and the graphs
+        # of the other row counts then checked every module's guards at each call
+        graph = torch.compile(own_code(self._level), dynamic=False, fullgraph=True, options=dict(self._options))
         try:
             out, seconds = first_compiled_call(graph, (tokens, features, positions, keys, values, mask), " of the draft level")
         except CompileUnavailable as exc:

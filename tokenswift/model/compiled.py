@@ -141,18 +141,24 @@ class CompiledForward:
             # A C++ wrapper calls the ~500 kernels of a step without Python in between.
             "cpp_wrapper": device.type == "cpu",
         }
-        # Each model's forward is one code object with a graph per token count (one
-        # token and each padded tree size): room for them all.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
+        # a copy each time: torch.compile pops "guard_filter_fn" out of the options it is
+        # given, so a second graph compiled from the same dict checked every module's
+        # guards (5,000 of them: 1.2 ms a call for the tree graphs, a 2-core AMD EPYC Zen 4)
+        self._compile = lambda fn: torch.compile(own_code(fn), dynamic=False, fullgraph=True, options=dict(options))
+        self._forward = forward
         self._graphs = {
-            "forward": torch.compile(own_code(forward), dynamic=False, fullgraph=True, options=options),
-            "logits": torch.compile(own_code(logits), dynamic=False, fullgraph=True, options=options),
-            # Trees: the same forward, a graph per padded size. (Inductor's "freezing",
-            # weights packed once for oneDNN, measured no clear gain on Sapphire Rapids:
-            # 4 / 8 / 16 / 32 tokens 43.1 / 46.5 / 51.7 / 60.3 ms frozen against 40.1 /
-            # 48.5 / 48.0 / 68.9 not, single runs, bfloat16, 2K positions.)
-            "tree": torch.compile(own_code(forward), dynamic=False, fullgraph=True, options=options),
+            "forward": self._compile(forward),
+            "logits": self._compile(logits),
         }
+        # Trees: the same forward, one code object per padded size (made at its first
+        # call), so that each call's cache lookup checks one graph's guards. One code
+        # object holding the five sizes' graphs took 1.25 ms a call to find its graph
+        # against 0.17 ms for the one-token forward's (a 2-core AMD EPYC Zen 4), ~8% of
+        # a 2-token tree forward. (Inductor's "freezing", weights packed once for
+        # oneDNN, measured no clear gain on Sapphire Rapids: 4 / 8 / 16 / 32 tokens 43.1
+        # / 46.5 / 51.7 / 60.3 ms frozen against 40.1 / 48.5 / 48.0 / 68.9 not, single
+        # runs, bfloat16, 2K positions.)
+        self._tree_graphs: dict[int, object] = {}
         self._ready: set[tuple[str, int]] = set()  # (graph, new tokens) compiled
         self.compile_seconds = 0.0  # what compiling the graphs took (first calls)
         self.failure: CompileUnavailable | None = None  # why compiling failed, once it has
@@ -191,8 +197,13 @@ class CompiledForward:
         return self._call("logits", hidden)
 
     def _call(self, name: str, *args) -> torch.Tensor:
-        graph = self._graphs[name]
         key = (name, args[0].shape[-1] if name != "logits" else 1)
+        if name == "tree":
+            graph = self._tree_graphs.get(key[1])
+            if graph is None:
+                graph = self._tree_graphs[key[1]] = self._compile(self._forward)
+        else:
+            graph = self._graphs[name]
         if key in self._ready:
             return graph(*args)
         if self.failure is not None:
