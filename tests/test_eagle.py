@@ -599,6 +599,34 @@ def test_chosen_trees_start_small_and_plain_steps_do_not_narrow_them(tmp_path):
     assert (pipe.drafter.depth_limit, pipe.drafter.breadth_limit) == (3, 10)
 
 
+def test_the_first_proposal_after_plain_steps_reports_its_catch_up(tmp_path):
+    """The first proposal after steps that asked for none says what catching up on
+    their pairs took (Drafter.catch_up_seconds); a proposal after a step that proposed
+    has nothing to catch up on and says 0."""
+    model = tiny_model_for("llama-gqa", "float64")
+    spec = {"preset": "eagle", "drafter": {"weights": decisive_net(model, tmp_path)}, "retriever": {"name": "none"},
+            "sampling": {"greedy": True}, "speculation": {"tree": "fixed", "max_nodes": 8}}
+    pipe = Pipeline.from_spec(spec, model)
+    propose, calls, reported = pipe.drafter.propose, [0], []
+
+    def every_third(state, inputs):
+        calls[0] += 1
+        if calls[0] % 3 == 1:  # two steps in three plain
+            reported.append(None)
+            return []
+        branches = propose(state, inputs)
+        reported.append(pipe.drafter.catch_up_seconds)
+        return branches
+
+    pipe.drafter.propose = every_third
+    pipe.generate([5, 9, 17, 3, 8, 1] * 2, 30, seed=0, ignore_eos=True)
+    after_plain = [seconds for previous, seconds in zip(reported, reported[1:]) if previous is None and seconds is not None]
+    after_proposal = [seconds for previous, seconds in zip(reported, reported[1:])
+                      if previous is not None and seconds is not None]
+    assert len(after_plain) >= 3 and all(seconds > 0 for seconds in after_plain)
+    assert len(after_proposal) >= 3 and all(seconds == 0 for seconds in after_proposal)
+
+
 def test_a_proposal_after_plain_steps_drafts_what_one_after_every_step_does(tmp_path):
     """After steps that asked for no proposal, the layer catches up on every pair they
     committed in one forward, and drafts from the last: the same drafts, at the same

@@ -249,6 +249,7 @@ class Generation:
                 step_seconds=sum(clock.seconds.values()), proposing_seconds=proposing,
                 drafting_pass=root_pass.ran, view_seconds=root_pass.view_seconds, emitted=len(emitted),
                 compile_seconds=compiling_seconds() - compiling_before,
+                catch_up_seconds=setup.drafter.catch_up_seconds if DRAFTER in proposing else 0.0,
             ))
             choice = selection.choice
             yield StepRecord(

@@ -206,6 +206,14 @@ class Drafter(Component):
         """Branches (token lists, or :class:`~tokenswift.tree.Branch` with confidences)
         below the root, best first."""
 
+    @property
+    def catch_up_seconds(self) -> float:
+        """What the last :meth:`propose` spent catching up on text committed by steps
+        that asked for no proposal (plain steps): a cost of switching to speculation,
+        paid once per switch, which the speculation policy does not hold against the
+        steps that speculate (0.0: none, or a drafter that never falls behind)."""
+        return 0.0
+
     def compile_now(self) -> float:
         """Compile now what this drafter's proposals run compiled (a benchmark does,
         before its timed turns); the seconds it took (0.0: nothing to compile)."""

@@ -323,7 +323,9 @@ class StepFacts:
     whole step; proposing_seconds: what each source that proposed took (the sources
     that proposed are its keys); drafting_pass: whether a pass of the root over a
     partial view ran (None: none was considered); view_seconds: what keeping the
-    drafting view took (paid whether or not a pass ran); emitted: tokens emitted."""
+    drafting view took (paid whether or not a pass ran); emitted: tokens emitted;
+    catch_up_seconds: what the drafter's proposal spent on the text of earlier plain
+    steps (part of proposing and step seconds: a cost of switching, not of speculating)."""
 
     tree: DraftTree
     verdict: Verdict
@@ -335,6 +337,7 @@ class StepFacts:
     view_seconds: float
     emitted: int
     compile_seconds: float = 0.0
+    catch_up_seconds: float = 0.0  # the drafter's catch-up on plain steps' text (Drafter.catch_up_seconds)
 
 
 class Speculator:
@@ -429,6 +432,8 @@ class AutoSpeculator(Speculator):
         for source, proposing in facts.proposing_seconds.items():
             verified = sum(1 for node in tree.sources[1:] if node == source)
             accepted = sum(1 for node in verdict.accepted if tree.sources[node] == source)
+            if source == DRAFTER:
+                proposing -= facts.catch_up_seconds
             self.gates[source].observe(accepted * one_token - verified * extra - proposing)
         self.costs.observe_forward(len(tree), facts.context, facts.forward_seconds)
         if facts.drafting_pass is not None:
@@ -436,5 +441,11 @@ class AutoSpeculator(Speculator):
         if self._speculates is not None:
             # proposers ran and the tree choice kept none of their nodes: nothing to earn
             futile = bool(self._speculates and facts.proposing_seconds and len(tree) == 1)
-            self.speculating.observe(self._speculates, facts.emitted, facts.step_seconds, futile=futile)
+            # Catching up on the plain steps' text is paid once per switch to speculating:
+            # the steps that speculate are judged without it. Held against them, it made
+            # the first step of each of the guard's trials of 4 steps 2-17 ms dearer than
+            # a steady ~2 ms (3-129 pairs; ``eagle``, 2K prompt, greedy, a 2-core AMD
+            # EPYC Zen 4, whose speculative steps take ~27-30 ms).
+            self.speculating.observe(self._speculates, facts.emitted, facts.step_seconds - facts.catch_up_seconds,
+                                     futile=futile)
             self._speculates = None
