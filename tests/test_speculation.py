@@ -408,6 +408,36 @@ def test_no_drafting_pass_over_the_whole_context_and_passes_over_a_partial_view(
     assert passes[512] == 0 and passes[12] > 0
 
 
+def test_the_drafting_view_is_kept_only_at_steps_whose_pass_runs(monkeypatch):
+    """A policy that says whether its view is partial without keeping it (the
+    refreshing ones) has :meth:`update_view` called only at steps whose pass runs, and
+    refreshes no more than those need; one that cannot say has it called at every
+    step that asks for a pass, as before. The runs emit the same tokens either way."""
+    spec = {"preset": "tokenswift", "drafter": {"heads": "random"}, "cache": {"budget": 12, "sink": 2, "recent": 3},
+            "sampling": {"greedy": True}}
+    runs = {}
+    for policy_can_say in (True, False):
+        pipe = with_costs(Pipeline.from_spec(spec, tiny_model_for("llama-gqa")), 0.0)
+        policy, kept_at = pipe.cache_policy, []
+        if not policy_can_say:
+            monkeypatch.setattr(policy, "partial", lambda committed_positions: None)
+        update_view = policy.update_view
+
+        def keeping(state, update_view=update_view, kept_at=kept_at):
+            kept_at.append(state.step)
+            return update_view(state)
+
+        monkeypatch.setattr(policy, "update_view", keeping)
+        records = list(pipe.steps(list(range(1, 20)), 40, seed=0, ignore_eos=True))
+        passes = [r.step - 1 for r in records if r.drafting_pass]  # a record's step counts the step itself
+        runs[policy_can_say] = ([t for r in records for t in r.emitted], kept_at, passes, policy.refreshes)
+    (tokens, kept_at, passes, refreshes), (eager_tokens, eager_kept_at, eager_passes, eager_refreshes) = runs[True], runs[False]
+    assert tokens == eager_tokens
+    assert passes and kept_at == passes  # kept exactly at the steps that ran a pass
+    assert len(eager_kept_at) > len(eager_passes)  # kept at every step that asked, pass or not
+    assert refreshes <= eager_refreshes
+
+
 def test_fixed_trees_verify_every_candidate_with_a_pass_each_step():
     spec = {"preset": "tokenswift", "drafter": {"heads": "random", "tree": [2, 2]}, "retriever": {"name": "none"},
             "cache": {"name": "full"}, "speculation": {"tree": "fixed"}}

@@ -239,6 +239,13 @@ class CachePolicy(Component):
         ``context_positions`` positions (0: it reads the store in place)."""
         return 0
 
+    def partial(self, committed_positions: int) -> bool | None:
+        """Whether the view over ``committed_positions`` holds less than all of them,
+        answered without bringing it up to date (None: the policy cannot say so; its
+        view is then kept at every step that asks for a pass, whether the pass runs or
+        not). With an answer, :meth:`update_view` is only called at steps whose pass runs."""
+        return None
+
 
 class Penalty(Component):
     @property

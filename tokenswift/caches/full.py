@@ -10,3 +10,6 @@ class FullPolicy(CachePolicy):
 
     def update_view(self, state):
         return None
+
+    def partial(self, committed_positions):
+        return False

@@ -60,6 +60,9 @@ class RefreshingPolicy(CachePolicy):
     def view_positions(self, context_positions: int) -> int:
         return self.options.budget + self.scratch if context_positions > self.options.budget else 0
 
+    def partial(self, committed_positions):
+        return committed_positions > self.options.budget
+
     def update_view(self, state):
         store = self.context.runner.store
         length = store.length
