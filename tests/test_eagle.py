@@ -599,12 +599,15 @@ def test_chosen_trees_start_small_and_plain_steps_do_not_narrow_them(tmp_path):
     assert (pipe.drafter.depth_limit, pipe.drafter.breadth_limit) == (3, 10)
 
 
-def test_the_first_proposal_after_plain_steps_reports_its_catch_up(tmp_path):
+@pytest.mark.parametrize("preset", ["eagle", "tokenswift"])
+def test_the_first_proposal_after_plain_steps_reports_its_catch_up(tmp_path, preset):
     """The first proposal after steps that asked for none says what catching up on
     their pairs took (Drafter.catch_up_seconds); a proposal after a step that proposed
-    has nothing to catch up on and says 0."""
+    has nothing to catch up on and says 0. So does the ``tokenswift`` drafter with the
+    draft layer below its pass."""
     model = tiny_model_for("llama-gqa", "float64")
-    spec = {"preset": "eagle", "drafter": {"weights": decisive_net(model, tmp_path)}, "retriever": {"name": "none"},
+    drafter = {"weights": decisive_net(model, tmp_path)} | ({"levels": "layer"} if preset == "tokenswift" else {})
+    spec = {"preset": preset, "drafter": drafter, "retriever": {"name": "none"},
             "sampling": {"greedy": True}, "speculation": {"tree": "fixed", "max_nodes": 8}}
     pipe = Pipeline.from_spec(spec, model)
     propose, calls, reported = pipe.drafter.propose, [0], []

@@ -97,6 +97,10 @@ class TokenSwiftDrafter(HeadDrafter):
     # With a draft layer, the layer keeps its cache in step with the text.
 
     @property
+    def catch_up_seconds(self) -> float:
+        return self.layer.catch_up_seconds if self.layer is not None else 0.0
+
+    @property
     def prompt_features(self) -> int:
         return self.layer.prompt_features if self.layer is not None else 0
 
