@@ -524,6 +524,38 @@ def test_compiled_draft_levels_propose_what_eager_levels_do(tmp_path, monkeypatc
     assert level is not None and set(level.compiled_rows()) <= set(LEVEL_ROWS) and 12 in level.compiled_rows()
 
 
+def test_drafters_of_other_cache_sizes_on_one_model_compile_their_own_levels(tmp_path):
+    """Two ``eagle`` drafters of one model whose draft caches differ in size (another
+    depth) share the compiled level object, each with graphs of its own: once both
+    have compiled (``compile_now``), a run of either compiles nothing more (keyed by
+    row count alone, the second's calls recompiled the first's graphs mid-run)."""
+    from tests.test_eagle import decisive_net
+    from torch._dynamo.utils import counters
+
+    from tokenswift.compiling import compile_trees_now
+
+    model = tiny_model_for("llama-gqa", "float32")
+    weights = decisive_net(model, tmp_path)
+    warm = Pipeline.from_spec("ar", model, overrides={"model": {"compile": True}})
+    warm.generate([5, 9], 2, seed=0, ignore_eos=True)  # the target's one-token graphs
+    compile_trees_now(warm.runner)  # and its tree sizes: only the draft levels are counted below
+    pipes = []
+    for depth in (4, 2):
+        overrides = {"model": {"compile": True}, "drafter": {"weights": weights, "depth": depth},
+                     "sampling": {"greedy": True}, "speculation": {"tree": "fixed"}}
+        pipe = Pipeline.from_spec("eagle", model, overrides=overrides)
+        pipe.drafter.compile_now()
+        pipes.append(pipe)
+    assert pipes[0].drafter.kv.size != pipes[1].drafter.kv.size
+    level = pipes[1].drafter.parts.level()
+    assert level is pipes[0].drafter.parts.level()
+    assert level.compiled_rows(pipes[0].drafter.kv.size) == level.compiled_rows(pipes[1].drafter.kv.size)
+    for pipe in reversed(pipes):
+        graphs = counters["stats"]["unique_graphs"]
+        pipe.generate([5, 9, 17, 3, 8, 1] * 2, 24, seed=0, ignore_eos=True)
+        assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled in the run
+
+
 def test_a_failing_draft_level_compile_drafts_eagerly_with_one_warning(tmp_path, caplog):
     from tests.test_eagle import decisive_net
     from tokenswift.drafters.draft_graphs import CompiledLevel

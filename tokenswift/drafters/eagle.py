@@ -552,7 +552,7 @@ class EagleDrafter(Drafter):
             return 0.0
         before, size, device = level.compile_seconds, self.kv.size, self.runner.device
         for rows in LEVEL_ROWS:
-            if rows in level.compiled_rows():
+            if rows in level.compiled_rows(size):
                 continue
             mask = torch.zeros(rows, size + rows, dtype=torch.bool, device=device)
             mask[:, size:] = torch.eye(rows, dtype=torch.bool, device=device)
