@@ -323,7 +323,7 @@ class StepFacts:
     whole step; proposing_seconds: what each source that proposed took (the sources
     that proposed are its keys); drafting_pass: whether a pass of the root over a
     partial view ran (None: none was considered); view_seconds: what keeping the
-    drafting view took (paid whether or not a pass ran); emitted: tokens emitted;
+    drafting view took (left out of what a pass costs); emitted: tokens emitted;
     catch_up_seconds: what the drafter's proposal spent on the text of earlier plain
     steps (part of proposing and step seconds: a cost of switching, not of speculating)."""
 

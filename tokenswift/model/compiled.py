@@ -151,10 +151,8 @@ class CompiledForward:
             "logits": self._compile(logits),
         }
         # Trees: the same forward, one code object per padded size (made at its first
-        # call), so that each call's cache lookup checks one graph's guards. One code
-        # object holding the five sizes' graphs took 1.25 ms a call to find its graph
-        # against 0.17 ms for the one-token forward's (a 2-core AMD EPYC Zen 4), ~8% of
-        # a 2-token tree forward. (Inductor's "freezing", weights packed once for
+        # call), each holding one graph: no recompile limit to raise, and a call's cache
+        # lookup checks that graph's guards only. (Inductor's "freezing", weights packed once for
         # oneDNN, measured no clear gain on Sapphire Rapids: 4 / 8 / 16 / 32 tokens 43.1
         # / 46.5 / 51.7 / 60.3 ms frozen against 40.1 / 48.5 / 48.0 / 68.9 not, single
         # runs, bfloat16, 2K positions.)
