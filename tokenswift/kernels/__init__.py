@@ -3,7 +3,9 @@
 :func:`decode_attention` is the attention of a forward's few new tokens over a layer's
 committed KV (``decode_attention.cpp``): the KV range split across threads, one pass
 over the keys and values for all query rows of a KV head, partial softmaxes merged by
-log-sum-exp; with AMX, the products of a KV head's 3+ bfloat16 rows run on tiles.
+log-sum-exp; with AMX, the products of a KV head's 3+ bfloat16 rows run on tiles, and
+with AVX512-BF16 but no AMX those of 9+ rows (trees of 3+ tokens) by pairs of bfloat16
+products.
 PyTorch's CPU flash kernel parallelises over batch x heads x query blocks only, which
 for one sequence with 3 KV heads keeps two thirds of the work on one of two threads,
 and never splits the KV.
@@ -52,6 +54,8 @@ MAX_TOKENS = 2
 # Without AMX, on AVX512-BF16 (a 2-core AMD EPYC Zen 4), 30 layers of bfloat16 attention
 # over 2,048 keys: kernel 3.95 / 3.96 / 6.5 / 10.4 / 19.8 / 36.8 ms for 1 / 3 / 4 / 8 /
 # 16 / 32 tokens, PyTorch's 12.0 / 12.1 / 13.4 / 21.8 / 38.7 / 66.8.
+# (Before the pairs paths for 9+ rows; with them, 2026-12-05, 4 / 16 tokens 4.7 / 12.2 ms
+# against 5.7 / 17.9 over 2K keys, and 42.9 / 121.8 against 53.6 / 191.3 over 32K.)
 MAX_TOKENS_AVX512_BF16 = 32
 # With AMX (a 2-core Sapphire Rapids, 2026-12-03; the kernel's products of 3+ rows on
 # AMX tiles), 30 layers of bfloat16 attention, kernel vs PyTorch's, in turns in one

@@ -7,7 +7,8 @@
 // float32 (float64 for float64 inputs); the partials are merged by log-sum-exp. Inner
 // loops are written so that the compiler vectorises them for the CPU it builds on
 // (-march=native: AVX2+FMA, AVX512, AVX512-BF16 conversions); with AMX, the products of
-// bfloat16 chunks of 3+ rows run on tiles (logits_amx, values_amx).
+// bfloat16 chunks of 3+ rows run on tiles (logits_amx, values_amx); with AVX512-BF16 but
+// no AMX, those of 9+ rows by pairs of bfloat16 products (logits_pairs, accumulate_pairs).
 //
 // Built at first use by tokenswift.kernels (torch.utils.cpp_extension), registered as
 // torch.ops.tokenswift_cpu.decode_attention.
@@ -325,21 +326,12 @@ inline float row_max(const float* s, int64_t len) {
   return m;
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-// Rows of a KV head from which a bfloat16 chunk takes the AMX tiles (logits_amx,
-// values_amx). Measured on a 2-core Sapphire Rapids, 30 layers of bfloat16 KV read
-// from memory, 8K to 32K positions, ms per 1K positions against the AVX512-BF16 path:
-// 1 row 0.98 vs 0.92 (the tiles' fixed cost), 3 rows (one token of 9 query heads over
-// 3 KV heads) 1.03 vs 1.09, 6 rows 1.12 vs 1.28, 24 rows (an 8-token tree) 1.99 vs 3.47.
-constexpr int64_t kAmxRows = 3;
-
 // c (16 keys x 16 rows of float32, key-major) transposed: rows[r] = the 16 keys of row r.
 // Four shuffle stages (pairs, quads, then 128-bit lanes twice), 32 shuffles in all. In
 // place of a gather per row and 16 keys: 24 rows (an 8-token tree) over 8K-32K positions
 // 2.03-2.10 -> 1.83-1.85 ms per 1K, 3 rows unchanged (2-core Sapphire Rapids, in turns).
-inline void transpose16(const float* c, __m512* rows) {
-  __m512 r[16], t[16];
-  for (int k = 0; k < 16; ++k) r[k] = _mm512_load_ps(c + 16 * k);
+inline void transpose16(__m512* r, __m512* rows) {  // r: the 16 keys (clobbered)
+  __m512 t[16];
   for (int i = 0; i < 8; ++i) {  // lane L of t[2i]: keys 2i, 2i+1 of rows 4L, 4L+1; of t[2i+1]: rows 4L+2, 4L+3
     t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
     t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
@@ -361,6 +353,21 @@ inline void transpose16(const float* c, __m512* rows) {
     rows[12 + m] = _mm512_shuffle_f32x4(u1, u3, 0xDD);
   }
 }
+
+inline void transpose16(const float* c, __m512* rows) {
+  __m512 r[16];
+  for (int k = 0; k < 16; ++k) r[k] = _mm512_load_ps(c + 16 * k);
+  transpose16(r, rows);
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// Rows of a KV head from which a bfloat16 chunk takes the AMX tiles (logits_amx,
+// values_amx). Measured on a 2-core Sapphire Rapids, 30 layers of bfloat16 KV read
+// from memory, 8K to 32K positions, ms per 1K positions against the AVX512-BF16 path:
+// 1 row 0.98 vs 0.92 (the tiles' fixed cost), 3 rows (one token of 9 query heads over
+// 3 KV heads) 1.03 vs 1.09, 6 rows 1.12 vs 1.28, 24 rows (an 8-token tree) 1.99 vs 3.47.
+constexpr int64_t kAmxRows = 3;
+
 
 // Query-key products by AMX tiles: S^T = K Q^T for up to 16 rows at a time, the keys as
 // the A tiles straight from the store (16 keys x 32 dims of bfloat16 each, any row
@@ -553,6 +560,117 @@ inline void probabilities_bf16(const float* p, int64_t R, int64_t len, uint16_t*
 }
 #endif
 
+#if defined(__AVX512BF16__)
+// Query-key products of RG rows by vdpbf16ps with the keys transposed: a block of 16
+// keys' dim pairs (32-bit words) is transposed once for all rows into kt (word m of the
+// 16 keys in one vector), then each row's 16 logits are D/2 instructions of the
+// broadcast query pair m against kt[m], into two accumulators (even and odd m), with
+// no horizontal sums. A row's logits are the same instructions whatever rows share
+// the call.
+template <int NV, int RG>
+inline void logits_rows(const c10::BFloat16* qb, int64_t D, const __m512* kt, __m512 scale_v, float* s, int64_t len) {
+  constexpr int W = NV * 8;  // dim pairs
+  __m512 even[RG], odd[RG];
+  for (int g = 0; g < RG; ++g) even[g] = odd[g] = _mm512_setzero_ps();
+  for (int m = 0; m < W; m += 2) {
+    for (int g = 0; g < RG; ++g) {
+      int32_t a, b;
+      std::memcpy(&a, qb + g * D + 2 * m, 4);
+      std::memcpy(&b, qb + g * D + 2 * m + 2, 4);
+      even[g] = _mm512_dpbf16_ps(even[g], (__m512bh)_mm512_set1_epi32(a), (__m512bh)_mm512_castps_si512(kt[m]));
+      odd[g] = _mm512_dpbf16_ps(odd[g], (__m512bh)_mm512_set1_epi32(b), (__m512bh)_mm512_castps_si512(kt[m + 1]));
+    }
+  }
+  for (int g = 0; g < RG; ++g) _mm512_storeu_ps(s + g * len, _mm512_mul_ps(_mm512_add_ps(even[g], odd[g]), scale_v));
+}
+
+// The logits of whole blocks of 16 keys (logits_rows); returns the keys done.
+template <int NV>
+int64_t logits_pairs(const c10::BFloat16* qb, float scale, int64_t R, const c10::BFloat16* k, int64_t stride,
+                     int64_t start, int64_t len, float* logits) {
+  constexpr int64_t D = NV * 16;
+  constexpr int W = NV * 8;
+  alignas(64) __m512 kt[W];
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  int64_t j0 = 0;
+  for (; j0 + 16 <= len; j0 += 16) {
+    for (int h = 0; h < NV / 2; ++h) {  // words 16h .. 16h + 15 of the 16 keys
+      __m512 r[16];
+      for (int j = 0; j < 16; ++j) {
+        const c10::BFloat16* kj = k + (start + j0 + j) * stride;
+        if (h == 0) {
+          const char* ahead = reinterpret_cast<const char*>(kj + kPrefetchKeys * stride);
+          for (int64_t b = 0; b < D * 2; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T1);
+        }
+        r[j] = _mm512_loadu_ps(reinterpret_cast<const float*>(kj + h * 32));
+      }
+      transpose16(r, kt + 16 * h);
+    }
+    int64_t r0 = 0;
+    for (; r0 + 4 <= R; r0 += 4) logits_rows<NV, 4>(qb + r0 * D, D, kt, scale_v, logits + r0 * len + j0, len);
+    for (; r0 < R; ++r0) logits_rows<NV, 1>(qb + r0 * D, D, kt, scale_v, logits + r0 * len + j0, len);
+  }
+  return j0;
+}
+#endif
+
+#if defined(__AVX512BF16__)
+// out[r] = sum_j pb[r][j] v_j for ROWS rows (r0 on), bfloat16 probabilities and values,
+// pairs of keys per instruction (vdpbf16ps: two products summed into each float32
+// lane): half the arithmetic of widening v and one FMA per key. A pair's two value
+// rows are interleaved once for all ROWS rows (unpacklo/hi by 16 bits, within 128-bit
+// lanes); the accumulators then hold the head dims in that lane order, put back at the
+// store. An odd chunk's last key pairs with zeros.
+template <int NV, int ROWS>
+inline void accumulate_pairs(const uint16_t* pb, int64_t lenp, const c10::BFloat16* v, int64_t stride, int64_t start,
+                             int64_t len, float* out) {
+  constexpr int NB = NV / 2;  // 32-value vectors of bfloat16 per value row
+  constexpr int64_t D = NV * 16;
+  __m512 acc[ROWS][2 * NB];
+  for (int rr = 0; rr < ROWS; ++rr)
+    for (int t = 0; t < 2 * NB; ++t) acc[rr][t] = _mm512_setzero_ps();
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t j = 0; j < len; j += 2) {
+    const c10::BFloat16* v0 = v + (start + j) * stride;
+    const char* ahead = reinterpret_cast<const char*>(v0 + kPrefetchKeys * stride);
+    for (int64_t b = 0; b < D * 2; b += 64) {
+      _mm_prefetch(ahead + b, _MM_HINT_T1);
+      _mm_prefetch(ahead + stride * 2 + b, _MM_HINT_T1);
+    }
+    __m512i pairs[2 * NB];
+    for (int b = 0; b < NB; ++b) {
+      const __m512i a = _mm512_loadu_si512(v0 + b * 32);
+      const __m512i c = j + 1 < len ? _mm512_loadu_si512(v0 + stride + b * 32) : zero;
+      pairs[2 * b] = _mm512_unpacklo_epi16(a, c);
+      pairs[2 * b + 1] = _mm512_unpackhi_epi16(a, c);
+    }
+    for (int rr = 0; rr < ROWS; ++rr) {
+      int32_t w32;
+      std::memcpy(&w32, pb + rr * lenp + j, sizeof(w32));
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(w32);
+      for (int t = 0; t < 2 * NB; ++t) acc[rr][t] = _mm512_dpbf16_ps(acc[rr][t], w, (__m512bh)pairs[t]);
+    }
+  }
+  // lo lane 4l + i holds dim 8l + i, hi lane 4l + i dim 8l + 4 + i (of its 32)
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int rr = 0; rr < ROWS; ++rr)
+    for (int b = 0; b < NB; ++b) {
+      _mm512_storeu_ps(out + rr * D + b * 32, _mm512_permutex2var_ps(acc[rr][2 * b], first, acc[rr][2 * b + 1]));
+      _mm512_storeu_ps(out + rr * D + b * 32 + 16, _mm512_permutex2var_ps(acc[rr][2 * b], second, acc[rr][2 * b + 1]));
+    }
+}
+
+// Rows of a KV head from which a bfloat16 chunk without AMX takes the pairs paths
+// (logits_pairs, accumulate_pairs; the probabilities rounded to bfloat16 for the value
+// products, as PyTorch's bfloat16 attention and the AMX path round them). Measured on
+// a 2-core AMD EPYC Zen 4 (AVX512-BF16), 30 layers of bfloat16 KV, ms against the
+// per-row path: over 32K keys 1 token (3 rows) 29.5-30.0 vs 27.3-27.5, 2 tokens 32.1-32.4
+// vs 30.0-30.6, 3 tokens 37.7-38.1 vs 41.2-41.6, 4 / 8 / 16 tokens 42.9 / 69.0 / 121.8
+// vs 53.6 / 99.5 / 191.3; over 2K keys 4 / 16 tokens 4.7 / 12.2 vs 5.7 / 17.9.
+constexpr int64_t kPairRows = 9;
+#endif
+
 // An unmasked chunk with head dim NV * 16: keys in blocks of 16 (converted once, each
 // row's 16 dot products reduced together), values accumulated for up to RB rows in
 // registers.
@@ -572,6 +690,7 @@ void chunk_blocked(const float* q, const c10::BFloat16* qb, float scale, int64_t
   // bfloat16 keys and an exactly-bfloat16 query (qb): pairs of products summed in
   // float32 by the hardware, no conversion of the keys; the scale applied after.
   if constexpr (std::is_same<scalar_t, c10::BFloat16>::value && NV % 2 == 0) {
+    if (qb != nullptr && j0 == 0 && R >= kPairRows) j0 = logits_pairs<NV>(qb, scale, R, k, stride, start, len, logits);
     if (qb != nullptr) {
       const __m512 scale_v = _mm512_set1_ps(scale);
       for (; j0 + 16 <= len; j0 += 16) {
@@ -636,6 +755,30 @@ void chunk_blocked(const float* q, const c10::BFloat16* qb, float scale, int64_t
       const int64_t lenp = (len + 31) / 32 * 32;
       probabilities_bf16(logits, R, len, pb, lenp);
       values_amx<NV>(pb, lenp, R, v, stride, start, len, out);
+      return;
+    }
+  }
+#endif
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same<scalar_t, c10::BFloat16>::value) {
+    if (qb != nullptr && R >= kPairRows) {
+      const int64_t lenp = (len + 1) / 2 * 2;
+      probabilities_bf16(logits, R, len, pb, lenp);
+      constexpr int PB = NV >= 8 ? 2 : (NV >= 4 ? 6 : 12);
+      for (int64_t r0 = 0; r0 < R; r0 += PB) {
+        const int rows = static_cast<int>(std::min<int64_t>(PB, R - r0));
+        const uint16_t* p = pb + r0 * lenp;
+        float* o = out + r0 * D;
+        switch (rows) {
+          case 1: accumulate_pairs<NV, 1>(p, lenp, v, stride, start, len, o); break;
+          case 2: accumulate_pairs<NV, 2>(p, lenp, v, stride, start, len, o); break;
+          case 3: if constexpr (PB >= 3) accumulate_pairs<NV, 3>(p, lenp, v, stride, start, len, o); break;
+          case 4: if constexpr (PB >= 4) accumulate_pairs<NV, 4>(p, lenp, v, stride, start, len, o); break;
+          case 5: if constexpr (PB >= 5) accumulate_pairs<NV, 5>(p, lenp, v, stride, start, len, o); break;
+          case 6: if constexpr (PB >= 6) accumulate_pairs<NV, 6>(p, lenp, v, stride, start, len, o); break;
+          default: for (int rr = 0; rr < rows; ++rr) accumulate_pairs<NV, 1>(p + rr * lenp, lenp, v, stride, start, len, o + rr * D);
+        }
+      }
       return;
     }
   }
