@@ -2,6 +2,10 @@
 clean fallback where it cannot be built."""
 
 import logging
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -173,6 +177,32 @@ def test_no_compiler_means_one_warning_and_pytorchs_path(monkeypatch, tmp_path, 
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
     finally:
         kernels._load.cache_clear()
+
+
+@needs_kernel
+@pytest.mark.skipif(
+    not kernels.available() or kernels.linear_path() in ("avx2", "scalar"),
+    reason="this machine's own build is the AVX2 path (or narrower): the tests above cover it",
+)
+def test_the_avx2_path_where_this_machine_builds_a_wider_one():
+    """The project's machines are of two kinds, AVX512 (with AMX) and AVX2 only, and
+    each builds only its own paths. Where the native build takes the AVX512 paths, the
+    AVX2 path is built for it (``-march=haswell``) and, in a subprocess, passes this
+    module's equality tests with masked SDPA and its lossless runs through the kernel."""
+    env = dict(os.environ, **{kernels.MARCH_ENV: "haswell"})
+    tests = "equals_masked_sdpa or merges_many_chunks or lossless_through or head_dim_64 or forced_build"
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests],
+        env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    passed = re.search(r"(\d+) passed", result.stdout.splitlines()[-1])
+    assert passed and int(passed.group(1)) > 100, result.stdout[-2000:]  # the equality tests, not the path check alone
+
+
+@pytest.mark.skipif(os.environ.get(kernels.MARCH_ENV) != "haswell", reason="runs in the AVX2 build's subprocess")
+def test_forced_build_takes_the_avx2_path():
+    assert kernels.available() and kernels.linear_path() == "avx2"
 
 
 def test_kernels_can_be_turned_off(monkeypatch):
