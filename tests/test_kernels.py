@@ -190,7 +190,7 @@ def test_the_avx2_path_where_this_machine_builds_a_wider_one():
     AVX2 path is built for it (``-march=haswell``) and, in a subprocess, passes this
     module's equality tests with masked SDPA and its lossless runs through the kernel."""
     env = dict(os.environ, **{kernels.MARCH_ENV: "haswell"})
-    tests = "equals_masked_sdpa or merges_many_chunks or lossless_through or head_dim_64 or forced_build"
+    tests = "equals_masked_sdpa or merges_many_chunks or lossless_through or lossless_with_trees or head_dim_64 or forced_build"
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests],
         env=env, capture_output=True, text=True, timeout=900,
@@ -377,7 +377,8 @@ def test_auto_linears_follow_the_measured_paths(monkeypatch, path, dtype, expect
 @pytest.mark.parametrize(
     ("path", "dtype", "expected"),
     [("amx", torch.bfloat16, kernels.MAX_TOKENS_AMX_BF16), ("avx512-bf16", torch.bfloat16, kernels.MAX_TOKENS_AVX512_BF16),
-     ("avx2", torch.bfloat16, kernels.MAX_TOKENS), ("amx", torch.float32, kernels.MAX_TOKENS),
+     ("avx2", torch.bfloat16, kernels.MAX_TOKENS_AVX2_BF16), ("avx2", torch.float32, kernels.MAX_TOKENS),
+     ("amx", torch.float32, kernels.MAX_TOKENS),
      ("avx512-bf16", torch.float32, kernels.MAX_TOKENS), (None, torch.bfloat16, kernels.MAX_TOKENS)],
 )
 def test_tree_tokens_the_kernel_serves_follow_the_measured_paths(monkeypatch, path, dtype, expected):

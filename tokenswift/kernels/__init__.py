@@ -65,19 +65,31 @@ MAX_TOKENS_AVX512_BF16 = 32
 # (Before the tiles, with the products by AVX512-BF16 pairs, 16 tokens lost: 282 vs 276
 # ms over 16K keys.)
 MAX_TOKENS_AMX_BF16 = 16
+# On AVX2 without AVX512 (the path built with -march=haswell: blocks of keys and values
+# converted once for all rows), measured on a 2-core AMD EPYC Zen 4 made to run as an
+# AVX2 machine (the kernel built for haswell; PyTorch with ATEN_CPU_CAPABILITY=avx2,
+# ONEDNN_MAX_CPU_ISA=AVX2, MKL_ENABLE_INSTRUCTIONS=AVX2), 30 layers of bfloat16 attention
+# (`benchmarks/attention_tokens.py`, 2026-12-05): over 2,048 keys 4.2 / 7.1 / 8.2 / 14.5
+# / 27.1 ms for 1 / 3 / 4 / 8 / 16 tokens against PyTorch's 9.0 / 12.0 / 12.7 / 18.1 /
+# 26.5; over 16,384 keys 24.3 / 37.4 / 43.9 / 100.2 / 189.3 against 64.8 / 81.5 / 85.3 /
+# 126.0 / 200.2. Not yet measured on an AVX2-only CPU itself.
+MAX_TOKENS_AVX2_BF16 = 8
 
 
 def max_tokens(dtype: torch.dtype = torch.bfloat16) -> int:
     """New tokens per forward that :func:`decode_attention` serves on this CPU for
     ``dtype``: in bfloat16, :data:`MAX_TOKENS_AVX512_BF16` where the kernels are built
-    for AVX512-BF16 without AMX and :data:`MAX_TOKENS_AMX_BF16` with AMX;
-    :data:`MAX_TOKENS` elsewhere (where wider forwards are not measured faster)."""
+    for AVX512-BF16 without AMX, :data:`MAX_TOKENS_AMX_BF16` with AMX and
+    :data:`MAX_TOKENS_AVX2_BF16` on AVX2 without AVX512; :data:`MAX_TOKENS` elsewhere
+    (where wider forwards are not measured faster)."""
     if dtype == torch.bfloat16:
         path = linear_path()
         if path == "avx512-bf16":
             return MAX_TOKENS_AVX512_BF16
         if path == "amx":
             return MAX_TOKENS_AMX_BF16
+        if path == "avx2":
+            return MAX_TOKENS_AVX2_BF16
     return MAX_TOKENS
 
 
