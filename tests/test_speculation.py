@@ -245,6 +245,31 @@ def test_a_burst_ends_after_two_steps_that_could_not_earn():
     assert picks == [False, False, False, True, True, False]
 
 
+def test_after_a_futile_try_the_next_ends_at_its_first_futile_step_and_comes_four_times_as_late():
+    """Where no tree ever pays (every step of the speculating arm futile), its tries
+    after the first are one step each, 16, 64, then 256 steps apart; a try that earns
+    something runs its whole burst again and the wait grows by two, as before."""
+
+    def tries(futile_after):
+        chooser = BurstChooser(explore_every=4, burst=4, longest=256)
+        for arm, tokens in ((True, 1),) * 4 + ((False, 3),) * 4:
+            assert chooser.pick() is arm
+            chooser.observe(arm, tokens=tokens, seconds=0.1)
+        picks = []
+        for step in range(400):
+            ran = chooser.pick()
+            picks.append(ran)
+            chooser.observe(ran, tokens=1 if ran else 3, seconds=0.1, futile=ran and step >= futile_after)
+        starts = [step for step, ran in enumerate(picks) if ran and (step == 0 or not picks[step - 1])]
+        return [(start, next(i for i in range(start, len(picks) + 1) if i == len(picks) or not picks[i]) - start)
+                for start in starts]
+
+    assert tries(futile_after=0) == [(3, 2), (20, 1), (84, 1), (340, 1)]
+    # the first try earned (not futile): a whole burst, the wait doubled; the second was
+    # futile after two steps, then the rule above
+    assert tries(futile_after=10)[:3] == [(3, 4), (14, 2), (47, 1)]
+
+
 def test_burst_chooser_is_not_fooled_by_one_unlucky_step():
     """Steps without the pass earn 1-3 tokens in 75 ms (26.7 tokens/s on average), steps
     with it 2 tokens in 100 ms (20): the chooser settles on no pass within its first
