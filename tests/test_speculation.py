@@ -233,16 +233,23 @@ def test_a_burst_ends_after_two_steps_that_could_not_earn():
     assert burst_length(lambda step: True) == 2
     assert burst_length(lambda step: step != 2) == 3  # the 1st and 3rd were futile
     # an exploring burst of the losing arm ends likewise
-    chooser = BurstChooser(explore_every=4, burst=4)
-    for arm, tokens in ((True, 1), (True, 1), (True, 1), (True, 1), (False, 3), (False, 3), (False, 3), (False, 3)):
+    assert speculating_loses(steps=6, futile=lambda step: True) == [False, False, False, True, True, False]
+
+
+def speculating_loses(*, steps: int, futile, longest: int = 256) -> list[bool]:
+    """A chooser (bursts of 4, first try after 4 steps) whose speculating arm earns 1
+    token a step and the other 3, each arm measured for a burst first; ``steps`` more
+    picks, the speculating arm's steps futile where ``futile(step)``."""
+    chooser = BurstChooser(explore_every=4, burst=4, longest=longest)
+    for arm, tokens in ((True, 1),) * 4 + ((False, 3),) * 4:
         assert chooser.pick() is arm
         chooser.observe(arm, tokens=tokens, seconds=0.1)
     picks = []
-    for _ in range(6):
+    for step in range(steps):
         ran = chooser.pick()
         picks.append(ran)
-        chooser.observe(ran, tokens=1 if ran else 3, seconds=0.1, futile=ran)
-    assert picks == [False, False, False, True, True, False]
+        chooser.observe(ran, tokens=1 if ran else 3, seconds=0.1, futile=ran and futile(step))
+    return picks
 
 
 def test_after_a_futile_try_the_next_ends_at_its_first_futile_step_and_comes_four_times_as_late():
@@ -251,15 +258,7 @@ def test_after_a_futile_try_the_next_ends_at_its_first_futile_step_and_comes_fou
     something runs its whole burst again and the wait grows by two, as before."""
 
     def tries(futile_after):
-        chooser = BurstChooser(explore_every=4, burst=4, longest=256)
-        for arm, tokens in ((True, 1),) * 4 + ((False, 3),) * 4:
-            assert chooser.pick() is arm
-            chooser.observe(arm, tokens=tokens, seconds=0.1)
-        picks = []
-        for step in range(400):
-            ran = chooser.pick()
-            picks.append(ran)
-            chooser.observe(ran, tokens=1 if ran else 3, seconds=0.1, futile=ran and step >= futile_after)
+        picks = speculating_loses(steps=400, futile=lambda step: step >= futile_after)
         starts = [step for step, ran in enumerate(picks) if ran and (step == 0 or not picks[step - 1])]
         return [(start, next(i for i in range(start, len(picks) + 1) if i == len(picks) or not picks[i]) - start)
                 for start in starts]

@@ -151,6 +151,32 @@ inline float exp_shifted(float* s, int64_t len, float m) {
   }
   return sum;
 }
+
+// Each of R rows of len logits replaced by exp(logit - the row's max); its max and the
+// sum of its exponentials into max_out / sum_out; its D outputs zeroed.
+inline void exponentiate_rows(float* logits, int64_t R, int64_t len, int64_t D, float* max_out, float* sum_out,
+                              float* out) {
+  for (int64_t r = 0; r < R; ++r) {
+    float* s = logits + r * len;
+    float m = s[0];
+    for (int64_t j = 1; j < len; ++j) m = s[j] > m ? s[j] : m;
+    max_out[r] = m;
+    sum_out[r] = exp_shifted(s, len, m);
+    std::fill(out + r * D, out + (r + 1) * D, 0.0f);
+  }
+}
+
+// count rows of src (D values each, `stride` apart) widened to float32 into dst (D
+// apart), each row's successor `ahead` rows on prefetched into L2.
+template <typename scalar_t, int64_t D>
+inline void widen_rows(const scalar_t* src, int64_t stride, int64_t count, int64_t ahead, float* dst) {
+  for (int64_t j = 0; j < count; ++j) {
+    const scalar_t* row = src + j * stride;
+    const char* next = reinterpret_cast<const char*>(row + ahead * stride);
+    for (int64_t b = 0; b < static_cast<int64_t>(D * sizeof(scalar_t)); b += 64) _mm_prefetch(next + b, _MM_HINT_T1);
+    for (int64_t t = 0; t < D; t += kWidth) vstore(dst + j * D + t, vload(row + t));
+  }
+}
 #endif
 
 template <typename scalar_t>
@@ -183,14 +209,7 @@ void chunk_simd(const float* q, int64_t R, int64_t D, const scalar_t* k, const s
       logits[r * len + j] = vsum(vadd(a, b));
     }
   }
-  for (int64_t r = 0; r < R; ++r) {
-    float* s = logits + r * len;
-    float m = s[0];
-    for (int64_t j = 1; j < len; ++j) m = s[j] > m ? s[j] : m;
-    max_out[r] = m;
-    sum_out[r] = exp_shifted(s, len, m);
-    std::fill(out + r * D, out + (r + 1) * D, 0.0f);
-  }
+  exponentiate_rows(logits, R, len, D, max_out, sum_out, out);
   for (int64_t j = 0; j < len; ++j) {
     const scalar_t* vj = v + (start + j) * stride;
     for (int64_t t = 0; t < nv; ++t) kv[t] = vload(vj + t * kWidth);
@@ -717,12 +736,7 @@ void chunk_blocked(const float* q, const c10::BFloat16* qb, float scale, int64_t
   }
 #endif
   for (; j0 + 16 <= len; j0 += 16) {
-    for (int64_t j = 0; j < 16; ++j) {
-      const scalar_t* kj = k + (start + j0 + j) * stride;
-      const char* ahead = reinterpret_cast<const char*>(kj + kPrefetchKeys * stride);
-      for (int64_t b = 0; b < static_cast<int64_t>(D * sizeof(scalar_t)); b += 64) _mm_prefetch(ahead + b, _MM_HINT_T1);
-      for (int t = 0; t < NV; ++t) _mm512_storeu_ps(scratch + j * D + t * 16, vload(kj + t * 16));
-    }
+    widen_rows<scalar_t, D>(k + (start + j0) * stride, stride, 16, kPrefetchKeys, scratch);
     for (int64_t r = 0; r < R; ++r) {
       __m512 qv[NV];
       for (int t = 0; t < NV; ++t) qv[t] = _mm512_loadu_ps(q + r * D + t * 16);
@@ -835,12 +849,7 @@ void chunk_avx2(const float* q, int64_t R, const scalar_t* k, const scalar_t* v,
   constexpr int64_t kPrefetchRows = 16;
   int64_t j0 = 0;
   for (; j0 + 8 <= len; j0 += 8) {
-    for (int j = 0; j < 8; ++j) {
-      const scalar_t* kj = k + (start + j0 + j) * stride;
-      const char* ahead = reinterpret_cast<const char*>(kj + kPrefetchRows * stride);
-      for (int64_t b = 0; b < static_cast<int64_t>(D * sizeof(scalar_t)); b += 64) _mm_prefetch(ahead + b, _MM_HINT_T1);
-      for (int t = 0; t < NV8; ++t) _mm256_storeu_ps(scratch + j * D + t * 8, vload(kj + t * 8));
-    }
+    widen_rows<scalar_t, D>(k + (start + j0) * stride, stride, 8, kPrefetchRows, scratch);
     for (int64_t r = 0; r < R; ++r) {
       __m256 acc[8];
       for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
@@ -860,23 +869,11 @@ void chunk_avx2(const float* q, int64_t R, const scalar_t* k, const scalar_t* v,
       logits[r * len + j0] = vsum(a);
     }
   }
-  for (int64_t r = 0; r < R; ++r) {
-    float* s = logits + r * len;
-    float m = s[0];
-    for (int64_t j = 1; j < len; ++j) m = s[j] > m ? s[j] : m;
-    max_out[r] = m;
-    sum_out[r] = exp_shifted(s, len, m);
-    std::fill(out + r * D, out + (r + 1) * D, 0.0f);
-  }
+  exponentiate_rows(logits, R, len, D, max_out, sum_out, out);
   constexpr int TV = NV8 < 8 ? NV8 : 8;  // output vectors held in registers at a time
   for (int64_t b0 = 0; b0 < len; b0 += kAvx2Block) {
     const int64_t blen = std::min(kAvx2Block, len - b0);
-    for (int64_t j = 0; j < blen; ++j) {
-      const scalar_t* vj = v + (start + b0 + j) * stride;
-      const char* ahead = reinterpret_cast<const char*>(vj + kPrefetchRows * stride);
-      for (int64_t b = 0; b < static_cast<int64_t>(D * sizeof(scalar_t)); b += 64) _mm_prefetch(ahead + b, _MM_HINT_T1);
-      for (int t = 0; t < NV8; ++t) _mm256_storeu_ps(scratch + j * D + t * 8, vload(vj + t * 8));
-    }
+    widen_rows<scalar_t, D>(v + (start + b0) * stride, stride, blen, kPrefetchRows, scratch);
     for (int64_t r = 0; r < R; ++r) {
       const float* p = logits + r * len + b0;
       for (int t0 = 0; t0 < NV8; t0 += TV) {
