@@ -312,6 +312,29 @@ inline __m512 reduce16(const __m512* a) {
   return _mm512_permutexvar_ps(order, v);
 }
 
+// Rows of a value product held in registers at once: ROWS x NV accumulators (NV 16-wide
+// vectors per row) and the value row's vectors within the 32 registers.
+constexpr int value_rows(int NV) { return NV >= 8 ? 2 : (NV >= 4 ? 6 : 12); }
+
+// f(rows, r0) for R rows in blocks of up to RB from r0 on, ``rows`` a
+// std::integral_constant (a compile-time row count keeps the accumulators in
+// registers); blocks of more than 6 rows run as single rows.
+template <int RB, typename F>
+inline void row_blocks(int64_t R, F&& f) {
+  for (int64_t r0 = 0; r0 < R; r0 += RB) {
+    const int rows = static_cast<int>(std::min<int64_t>(RB, R - r0));
+    switch (rows) {
+      case 1: f(std::integral_constant<int, 1>{}, r0); break;
+      case 2: f(std::integral_constant<int, 2>{}, r0); break;
+      case 3: if constexpr (RB >= 3) f(std::integral_constant<int, 3>{}, r0); break;
+      case 4: if constexpr (RB >= 4) f(std::integral_constant<int, 4>{}, r0); break;
+      case 5: if constexpr (RB >= 5) f(std::integral_constant<int, 5>{}, r0); break;
+      case 6: if constexpr (RB >= 6) f(std::integral_constant<int, 6>{}, r0); break;
+      default: for (int rr = 0; rr < rows; ++rr) f(std::integral_constant<int, 1>{}, r0 + rr);
+    }
+  }
+}
+
 // out[r] = sum_j p[r * len + j] v_j for ROWS rows, v's rows converted once for all.
 template <typename scalar_t, int NV, int ROWS>
 inline void accumulate(const float* p, int64_t len, const scalar_t* v, int64_t stride, int64_t start, float* out) {
@@ -780,40 +803,16 @@ void chunk_blocked(const float* q, const c10::BFloat16* qb, float scale, int64_t
     if (qb != nullptr && R >= kPairRows) {
       const int64_t lenp = (len + 1) / 2 * 2;
       probabilities_bf16(logits, R, len, pb, lenp);
-      constexpr int PB = NV >= 8 ? 2 : (NV >= 4 ? 6 : 12);
-      for (int64_t r0 = 0; r0 < R; r0 += PB) {
-        const int rows = static_cast<int>(std::min<int64_t>(PB, R - r0));
-        const uint16_t* p = pb + r0 * lenp;
-        float* o = out + r0 * D;
-        switch (rows) {
-          case 1: accumulate_pairs<NV, 1>(p, lenp, v, stride, start, len, o); break;
-          case 2: accumulate_pairs<NV, 2>(p, lenp, v, stride, start, len, o); break;
-          case 3: if constexpr (PB >= 3) accumulate_pairs<NV, 3>(p, lenp, v, stride, start, len, o); break;
-          case 4: if constexpr (PB >= 4) accumulate_pairs<NV, 4>(p, lenp, v, stride, start, len, o); break;
-          case 5: if constexpr (PB >= 5) accumulate_pairs<NV, 5>(p, lenp, v, stride, start, len, o); break;
-          case 6: if constexpr (PB >= 6) accumulate_pairs<NV, 6>(p, lenp, v, stride, start, len, o); break;
-          default: for (int rr = 0; rr < rows; ++rr) accumulate_pairs<NV, 1>(p + rr * lenp, lenp, v, stride, start, len, o + rr * D);
-        }
-      }
+      row_blocks<value_rows(NV)>(R, [&](auto rows, int64_t r0) {
+        accumulate_pairs<NV, decltype(rows)::value>(pb + r0 * lenp, lenp, v, stride, start, len, out + r0 * D);
+      });
       return;
     }
   }
 #endif
-  constexpr int RB = NV >= 8 ? 2 : (NV >= 4 ? 6 : 12);
-  for (int64_t r0 = 0; r0 < R; r0 += RB) {
-    const int rows = static_cast<int>(std::min<int64_t>(RB, R - r0));
-    const float* p = logits + r0 * len;
-    float* o = out + r0 * D;
-    switch (rows) {  // the row count a compile-time constant: the accumulators stay in registers
-      case 1: accumulate<scalar_t, NV, 1>(p, len, v, stride, start, o); break;
-      case 2: accumulate<scalar_t, NV, 2>(p, len, v, stride, start, o); break;
-      case 3: accumulate<scalar_t, NV, 3>(p, len, v, stride, start, o); break;
-      case 4: if constexpr (RB >= 4) accumulate<scalar_t, NV, 4>(p, len, v, stride, start, o); break;
-      case 5: if constexpr (RB >= 5) accumulate<scalar_t, NV, 5>(p, len, v, stride, start, o); break;
-      case 6: if constexpr (RB >= 6) accumulate<scalar_t, NV, 6>(p, len, v, stride, start, o); break;
-      default: for (int rr = 0; rr < rows; ++rr) accumulate<scalar_t, NV, 1>(p + rr * len, len, v, stride, start, o + rr * D);
-    }
-  }
+  row_blocks<value_rows(NV)>(R, [&](auto rows, int64_t r0) {
+    accumulate<scalar_t, NV, decltype(rows)::value>(logits + r0 * len, len, v, stride, start, out + r0 * D);
+  });
 }
 #endif
 
@@ -861,8 +860,7 @@ void chunk_avx2(const float* q, int64_t R, const scalar_t* k, const scalar_t* v,
     }
   }
   for (; j0 < len; ++j0) {  // the tail, one key at a time
-    const scalar_t* kj = k + (start + j0) * stride;
-    for (int t = 0; t < NV8; ++t) _mm256_storeu_ps(scratch + t * 8, vload(kj + t * 8));
+    widen_rows<scalar_t, D>(k + (start + j0) * stride, stride, 1, kPrefetchRows, scratch);
     for (int64_t r = 0; r < R; ++r) {
       __m256 a = _mm256_setzero_ps();
       for (int t = 0; t < NV8; ++t) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + t * 8), _mm256_loadu_ps(scratch + t * 8), a);
