@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     new_tokens = resume.max_new_tokens if resume else args.new_tokens
     estimate = pipe.estimate_memory(len(prompt), new_tokens)
     weights = parameter_bytes(pipe.model) / MIB
-    predicted = (estimate.kv_bytes + estimate.view_bytes) / MIB
+    predicted = (estimate.kv_bytes + estimate.view_bytes + estimate.packed_bytes) / MIB
     working = estimate.working_bytes / MIB
     record = {
         "title": f"{args.preset} on {args.model} ({args.dtype}), {len(prompt)}-token prompt + {new_tokens} "

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from tokenswift import kernels
 from tokenswift.model.kv import CompactView, FullView
 from tokenswift.model.runner import Runner
-from tokenswift.testing import TINY_CONFIGS, tiny_model, tiny_model_for
+from tokenswift.testing import TINY_CONFIGS, tiny_model, tiny_model_for, word_tokenizer
 from tokenswift.tree import DraftTree
 
 needs_kernel = pytest.mark.skipif(not kernels.available(), reason="the kernel cannot be built on this machine")
@@ -323,6 +323,77 @@ def test_few_rows_linear_rows_do_not_depend_on_each_other(dtype):
     alone = torch.cat([kernels.few_rows_linear(x[i : i + 1], weight) for i in range(32)])
     for rows in (2, 4, 16, 32):
         assert torch.equal(kernels.few_rows_linear(x[:rows], weight), alone[:rows])
+
+
+def linear_reference(x, weight, bias=None):
+    return F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+
+
+@needs_kernel
+def test_a_weight_changed_in_place_is_multiplied_as_it_is_now():
+    """Where the kernel keeps a packed copy of a weight, an in-place change (which
+    PyTorch's version counter records) is packed again; a change through ``.data``
+    needs ``forget_packed_weights``. 100 outputs: packed on the AMX path too."""
+    generator = torch.Generator().manual_seed(11)
+    weight = (torch.randn(100, 576, generator=generator) * 576**-0.5).to(torch.bfloat16)
+    x = torch.randn(3, 576, generator=generator).to(torch.bfloat16)
+    tolerance = LINEAR_TOLERANCE[torch.bfloat16]
+    torch.testing.assert_close(kernels.few_rows_linear(x, weight).double(), linear_reference(x, weight), rtol=tolerance, atol=tolerance)
+    with torch.no_grad():
+        weight[:50].neg_()
+    torch.testing.assert_close(kernels.few_rows_linear(x, weight).double(), linear_reference(x, weight), rtol=tolerance, atol=tolerance)
+    weight.data[50:].zero_()
+    kernels.forget_packed_weights()
+    got = kernels.few_rows_linear(x, weight)
+    assert torch.equal(got[:, 50:], torch.zeros(3, 50, dtype=torch.bfloat16))
+    torch.testing.assert_close(got.double(), linear_reference(x, weight), rtol=tolerance, atol=tolerance)
+
+
+@needs_kernel
+def test_a_new_weight_where_a_freed_one_lived_is_not_mistaken_for_it():
+    """A packed copy is keyed by the weight's address: a weight allocated where a freed
+    one lived (the allocator reuses the block) is multiplied as itself."""
+    tolerance = LINEAR_TOLERANCE[torch.bfloat16]
+    x = torch.randn(2, 576, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    addresses = []
+    for seed in range(12):
+        weight = torch.empty(100, 576, dtype=torch.bfloat16)
+        weight.copy_(torch.randn(100, 576, generator=torch.Generator().manual_seed(seed)) * 576**-0.5)
+        addresses.append(weight.data_ptr())
+        got = kernels.few_rows_linear(x, weight)
+        torch.testing.assert_close(got.double(), linear_reference(x, weight), rtol=tolerance, atol=tolerance)
+        del weight, got
+    assert len(set(addresses)) < len(addresses), "the allocator never reused a block: nothing was tested"
+
+
+@pytest.mark.skipif(not kernels.packs_weights(), reason="this machine's kernels multiply the weights as they are")
+def test_packed_copies_are_counted_and_go_with_their_weight():
+    weight = torch.randn(100, 576).to(torch.bfloat16)
+    before = kernels.packed_weight_bytes()
+    assert kernels.packed_size(weight) == 112 * 576 * 2  # 100 outputs padded to 7 blocks of 16
+    kernels.few_rows_linear(torch.randn(1, 576).to(torch.bfloat16), weight)
+    assert kernels.packed_weight_bytes() == before + kernels.packed_size(weight)
+    del weight
+    assert kernels.packed_weight_bytes() == before
+    assert kernels.packed_size(torch.randn(100, 576)) == 0  # float32: multiplied as it is
+
+
+@pytest.mark.skipif(not kernels.packs_weights(), reason="this machine's kernels multiply the weights as they are")
+def test_the_memory_estimate_counts_the_packed_copies_a_run_will_make():
+    from tokenswift import Pipeline
+
+    model = tiny_model_for("llama-gqa", "bfloat16")
+    pipe = Pipeline.from_spec("ar", model, word_tokenizer())
+    pipe.runner.use_kernel_linears(True)
+    linears = {id(m.weight): m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    expected = sum(kernels.packed_size(w) for w in linears.values())
+    estimate = pipe.estimate_memory(8, 4)
+    assert expected > 0 and estimate.packed_bytes == expected
+    assert estimate.total_bytes == estimate.kv_bytes + estimate.view_bytes + estimate.working_bytes + expected
+    pipe.generate(list(range(1, 9)), 4, seed=0)
+    assert pipe.estimate_memory(8, 4).packed_bytes == 0  # made by the first run, shared by the next
+    pipe.runner.use_kernel_linears(False)
+    assert pipe.estimate_memory(8, 4).packed_bytes == 0
 
 
 @needs_kernel

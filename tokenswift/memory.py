@@ -22,10 +22,11 @@ class MemoryEstimate:
     kv_bytes: int  # the full KV store
     view_bytes: int  # a partial drafting view's own buffers
     working_bytes: int  # logits of one tree, activations, slack
+    packed_bytes: int = 0  # the few-rows kernel's packed weight copies not made yet
 
     @property
     def total_bytes(self) -> int:
-        return self.kv_bytes + self.view_bytes + self.working_bytes
+        return self.kv_bytes + self.view_bytes + self.working_bytes + self.packed_bytes
 
 
 def available_bytes(device: torch.device) -> int | None:

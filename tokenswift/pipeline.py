@@ -245,6 +245,7 @@ class Pipeline:
             kv_bytes=0 if reusable else runner.kv_bytes(positions),
             view_bytes=runner.kv_bytes(view_positions),
             working_bytes=WORKING_SLACK + 2 * self.max_tree_nodes() * runner.vocab_size * 4,
+            packed_bytes=runner.packed_bytes(),
         )
 
     def _check_memory(self, prompt_tokens: int, max_new_tokens: int) -> None:
@@ -256,7 +257,8 @@ class Pipeline:
         if free is not None and estimate.total_bytes > free:
             raise ValueError(
                 f"this run needs about {gib(estimate.total_bytes)} (KV store for {estimate.positions} positions "
-                f"{gib(estimate.kv_bytes)}, drafting view {gib(estimate.view_bytes)}), but only {gib(free)} is "
+                f"{gib(estimate.kv_bytes)}, drafting view {gib(estimate.view_bytes)}, packed weights "
+                f"{gib(estimate.packed_bytes)}), but only {gib(free)} is "
                 f"available; lower max_new_tokens ({max_new_tokens}) or the cache budget"
             )
 

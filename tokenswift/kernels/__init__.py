@@ -12,7 +12,10 @@ and never splits the KV.
 
 :func:`few_rows_linear` is ``F.linear`` for a few rows (``few_rows_linear.cpp``): the
 weight streamed once for all rows (AMX tiles where the CPU has them), each row's result
-independent of the others. Whether the model's products use it is
+independent of the others. With AVX512-BF16 but no AMX tiles (and for the shapes the
+tiles do not take), a bfloat16 weight is rearranged once, at its first product, into
+the pairs layout the instruction reads, and that copy is kept while the weight lives
+(:func:`packed_weight_bytes`). Whether the model's products use it is
 :func:`linears_by_default` (``TOKENSWIFT_LINEARS``).
 
 The extension is compiled with ``torch.utils.cpp_extension`` for this CPU
@@ -270,3 +273,33 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     float32 or bfloat16: accumulated in float32, each row's result the same whatever
     other rows share the call. Returns [..., O] in x's dtype."""
     return torch.ops.tokenswift_cpu.few_rows_linear(x, weight, bias)
+
+
+def packs_weights() -> bool:
+    """Whether the built kernels keep packed copies of the bfloat16 weights they multiply
+    (AVX512-BF16 without AMX, and on AMX machines the shapes the tiles do not take)."""
+    return linear_path() in ("avx512-bf16", "amx")
+
+
+def packed_size(weight: torch.Tensor) -> int:
+    """Bytes the packed copy of ``weight`` [O, K] takes once :func:`few_rows_linear` has
+    multiplied by it on this build (0: it is multiplied as it is)."""
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[1] % 2 or not packs_weights():
+        return 0
+    out_features, in_features = weight.shape
+    if linear_path() == "amx" and in_features % 32 == 0 and out_features % 16 == 0:
+        return 0  # the tiles read the weight as it is
+    return -(-out_features // 16) * 16 * in_features * weight.element_size()
+
+
+def packed_weight_bytes() -> int:
+    """Bytes of the packed weight copies held now (those of weights still alive)."""
+    return int(torch.ops.tokenswift_cpu.packed_weight_bytes()) if available() else 0
+
+
+def forget_packed_weights() -> None:
+    """Drop every packed weight copy (the next product packs again). Needed only where
+    a weight was changed through ``.data``, which PyTorch's version counter does not
+    see; other in-place changes are noticed."""
+    if available():
+        torch.ops.tokenswift_cpu.forget_packed_weights()

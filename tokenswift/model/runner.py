@@ -162,6 +162,16 @@ class Runner:
         self.packed_from_rows = from_rows
         self.packed_lm_head = lm_head
 
+    def packed_bytes(self) -> int:
+        """Bytes the few-rows kernel's packed weight copies of this model will take that
+        are not held yet (0 where its products are not the kernel's or it packs none:
+        :func:`tokenswift.kernels.packed_size`)."""
+        if not self.kernel_linears:
+            return 0
+        weights = {id(m.weight): m.weight for m in self.model.modules() if isinstance(m, torch.nn.Linear)}
+        weights[id(self.lm_head.weight)] = self.lm_head.weight
+        return max(0, sum(kernels.packed_size(w) for w in weights.values()) - kernels.packed_weight_bytes())
+
     def use_kernel_linears(self, on: bool) -> None:
         """Run products of up to :data:`tokenswift.kernels.MAX_LINEAR_ROWS` rows (one-token
         steps, trees, LM-head rows; eager and compiled) through tokenswift's few-rows
