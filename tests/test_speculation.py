@@ -6,6 +6,8 @@ import json
 import attrs
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tokenswift import Pipeline, SpecError
 from tokenswift.calibration import Calibration, calibrate, calibration_for, load_calibration
@@ -101,6 +103,43 @@ def test_choice_maximises_expected_tokens_per_second():
     middle = choose(tree, tracker, CostModel(calibration(3.0)), 64, max_nodes=64)
     assert middle.keep == [0, 1, 2]  # 0.9 and 0.5 pay for 3 ms each, 0.2 does not
     assert choose(tree, tracker, CostModel(calibration(0.0)), 64, max_nodes=2).keep == [0, 1, 2]
+
+
+def exhaustive_best(tree, tracker, costs, context, max_nodes):
+    """The likeliest-k prefix with the best expected tokens per second, every k priced."""
+    from tokenswift.speculation import chances
+
+    chance = chances(tree, tracker)
+    order = sorted(range(1, len(tree)), key=lambda node: (-chance[node], node))[:max_nodes]
+    seconds = best_seconds = costs.forward_seconds(1, context) + costs.scoring_seconds(1.0)
+    best_k, best_rate, expected = 0, 1.0 / best_seconds, 1.0
+    for k, node in enumerate(order, start=1):
+        expected += chance[node]
+        seconds = max(seconds, costs.forward_seconds(k + 1, context) + costs.scoring_seconds(expected))
+        if expected / seconds > best_rate:
+            best_k, best_rate = k, expected / seconds
+    return [0, *sorted(order[:best_k])]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    confidences=st.lists(st.lists(st.floats(0.0, 1.0), min_size=1, max_size=4), min_size=1, max_size=16),
+    steps_ms=st.lists(st.sampled_from([0.0, 0.1, 1.0, 4.0, 12.0]), min_size=6, max_size=6),
+    score_ms=st.sampled_from([0.1, 1.0, 4.0]),
+    max_nodes=st.integers(1, 64),
+)
+def test_the_choice_stops_pricing_only_where_no_later_node_could_win(confidences, steps_ms, score_ms, max_nodes):
+    """``choose`` stops walking the candidates once none of the rest could raise the
+    rate; it keeps what pricing every one of them keeps, on machines whose forwards
+    grow in steps (padded sizes: flat stretches, then a jump)."""
+    tree = DraftTree.root_only(0)
+    tree.add_branches([Branch([100 * i + j for j in range(len(c))], c) for i, c in enumerate(confidences)])
+    row = [10.0]
+    for step in steps_ms:  # the forward of 2, 4, 8, ... 64 nodes: never cheaper than fewer
+        row.append(row[-1] + step)
+    stepped = attrs.evolve(calibration(0.0, score_ms=score_ms), forward_ms=(tuple(row), tuple(t + 5 for t in row)))
+    tracker, costs = AcceptanceTracker(), CostModel(stepped)
+    assert choose(tree, tracker, costs, 64, max_nodes=max_nodes).keep == exhaustive_best(tree, tracker, costs, 64, max_nodes)
 
 
 def test_the_choice_keeps_parents_before_children():
