@@ -479,15 +479,16 @@ inline void packed_rows(int rows, const c10::BFloat16* x, int64_t K, const uint3
 }
 
 constexpr int64_t kPackedTileRows = 8;  // rows of x per tile: 8 x 2 accumulators, or 4 x 4
-constexpr int64_t kPackedGroup = 4;     // blocks of 16 outputs per work item
+constexpr int64_t kPackedGroup = 4;     // blocks of 16 outputs a tile takes at most
 
 void run_packed(const c10::BFloat16* x, const uint32_t* pairs, const c10::BFloat16* bias, c10::BFloat16* y, int64_t n,
                 int64_t K, int64_t O) {
   const int64_t P = K / 2, blocks = (O + 15) / 16;
-  const int64_t groups = (blocks + kPackedGroup - 1) / kPackedGroup;
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t first = g * kPackedGroup, count = std::min<int64_t>(kPackedGroup, blocks - first);
+  // Threads take equal runs of blocks (a k or v projection's 12 blocks: 6 each; in
+  // groups of 4, one thread took two of the three groups and the other waited).
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t first = begin; first < end; first += kPackedGroup) {
+      const int64_t count = std::min<int64_t>(kPackedGroup, end - first);
       for (int64_t r = 0; r < n; r += kPackedTileRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kPackedTileRows, n - r));
         int64_t b = 0;
