@@ -178,6 +178,39 @@ def test_a_compile_failing_at_the_first_forward_leaves_the_cost_model_predicting
     assert not pipe.generate([1, 2, 3], 4, seed=0).stats.compiled
 
 
+def test_compile_true_measures_what_prices_compiled_trees_where_the_cost_model_needs_it(tmp_path, monkeypatch):
+    """With ``compile = true`` a preset whose cost model prices its trees measures the
+    compile calibration where none is cached (once: then it is loaded), and the cost
+    model prices its trees from it; a run without a cost model (``ar``) and a test-sized
+    model measure nothing."""
+    from tokenswift import compiling
+
+    monkeypatch.setenv("TOKENSWIFT_CACHE", str(tmp_path))
+    model = tiny_model_for("llama-gqa", "float32")
+    measured = []
+
+    def fake_measure(runner, **kwargs):
+        measured.append(runner)
+        return CompileCalibration(
+            key=machine_key(runner), machine="test", contexts=(16, 256), eager_ms=(2.0, 4.0), compiled_ms=(1.0, 2.0),
+            compile_seconds=1.0, tree_sizes=(4,), tree_eager_ms=(3.0,), tree_compiled_ms=(1.5,),
+        )
+
+    monkeypatch.setattr(compiling, "measure_compile", fake_measure)
+    spec = {"preset": "eagle", "drafter": {"weights": "random"}, "model": {"compile": True}}
+    assert Pipeline.from_spec(spec, model).start([1, 2, 3], 4, seed=0).setup.speculator.costs.compile_calibration is None
+    assert not measured  # a test-sized model: nothing measured
+    monkeypatch.setattr(compiling, "AUTO_MIN_PARAMETERS", 0)
+    Pipeline.from_spec("ar", model, overrides={"model": {"compile": True}}).start([1, 2, 3], 4, seed=0)
+    assert not measured  # no cost model prices ar's steps
+    run = Pipeline.from_spec(spec, model).start([1, 2, 3], 4, seed=0)
+    calibration = run.setup.speculator.costs.compile_calibration
+    assert len(measured) == 1 and calibration is not None and calibration.tree_sizes == (4,)
+    assert run.setup.runner.compiled_tree_sizes == (4,)  # the sizes it measured paying
+    again = Pipeline.from_spec(spec, model).start([1, 2, 3], 4, seed=0)
+    assert len(measured) == 1 and again.setup.speculator.costs.compile_calibration == calibration  # cached
+
+
 def test_compile_option_values():
     assert ModelSpec(path="x").compile == "auto"
     assert ModelSpec(path="x", compile="true").compile is True

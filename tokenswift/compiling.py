@@ -255,11 +255,38 @@ class CompileDecision:
     calibration: CompileCalibration | None
 
 
-def decide(runner, choice: str | bool, *, prompt_tokens: int, new_tokens: int) -> CompileDecision:
+def compile_calibration_for_trees(runner) -> CompileCalibration | None:
+    """The compile calibration a run with compiled forwards needs where the cost model
+    prices its trees: cached, or measured now (compiling the model, as the run would;
+    ~1 minute on a 2-core CPU with inductor's cache warm). Without it the cost model
+    prices compiled trees along the eager calibration's curve: a 4-token tree at 2K
+    came out ~16.3 ms where it measures 15.1 against a 14.3 ms step (an AMD EPYC Zen 4).
+    The calibration is keyed by the kernels' build, so every change of the kernels left
+    ``compile = true`` runs without one until ``tokenswift calibrate --compile``. None
+    for models under :data:`AUTO_MIN_PARAMETERS` (test models), under torchrun or
+    tensor parallelism, or where compiling is unavailable."""
+    if distributed.launched() or runner.tp_size != 1 or compiler_problem(runner.device) is not None:
+        return None
+    if sum(p.numel() for p in runner.model.parameters()) < AUTO_MIN_PARAMETERS:
+        return None
+    try:
+        return compile_calibration_for(runner)
+    except CompileUnavailable as exc:
+        logger.warning("compiled tree forwards could not be measured (%s)", exc)
+        return None
+
+
+def decide(
+    runner, choice: str | bool, *, prompt_tokens: int, new_tokens: int, prices_trees: bool = False
+) -> CompileDecision:
     """Turn ``runner``'s compiled one-token forwards on or off for a run of
     ``new_tokens`` tokens after ``prompt_tokens``, as ``choice`` (``[model] compile``)
-    says, and say which (see the module docstring)."""
+    says, and say which (see the module docstring). ``prices_trees``: the run's cost
+    model prices its trees, so ``compile = true`` measures the compile calibration
+    where none is cached (:func:`compile_calibration_for_trees`)."""
     calibration = load_compile_calibration(runner) if choice is not False else None
+    if choice is True and prices_trees and calibration is None:
+        calibration = compile_calibration_for_trees(runner)
     context = prompt_tokens + new_tokens // 2  # the run's mean context
     on = choice is True or (choice == "auto" and _auto_pays(runner, context, new_tokens, calibration))
     try:

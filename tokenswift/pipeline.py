@@ -293,7 +293,8 @@ class Pipeline:
         costs = self.costs() if speculation.tree == "auto" else None
         choice = self.spec.model.compile if self.spec.model is not None else "auto"
         decision = compiling.decide(
-            self.runner, choice, prompt_tokens=prompt_tokens + done_tokens, new_tokens=max_new_tokens - done_tokens
+            self.runner, choice, prompt_tokens=prompt_tokens + done_tokens, new_tokens=max_new_tokens - done_tokens,
+            prices_trees=costs is not None and self.max_tree_nodes() > 1,
         )
         if costs is not None:
             costs.use_compile_calibration(decision.calibration)
