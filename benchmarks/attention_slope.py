@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
@@ -25,6 +24,7 @@ from tokenswift.machine import machine_name
 from tokenswift.model.loading import load_model
 from tokenswift.model.runner import Runner
 from tokenswift.spec import ModelSpec
+from tokenswift.tools.bench import print_and_write_table
 
 
 def read_bandwidth() -> float:
@@ -44,6 +44,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=12)
     parser.add_argument("--out", default="benchmarks/results/attention-slope")
     args = parser.parse_args()
+    if args.repeats < 3:
+        parser.error(f"--repeats {args.repeats}: at least 3 (the first two turns of each context warm it up)")
     if not kernels.available():
         raise SystemExit("the kernel cannot be built here (see the warning above)")
     model, _ = load_model(ModelSpec(path="smollm2", dtype=args.dtype))
@@ -79,10 +81,7 @@ def main() -> None:
     note = (f"\n{machine_name(torch.device('cpu'))}, {args.dtype}, {torch.get_num_threads()} threads; one-token forward "
             f"(no scoring), median of {args.repeats}; memory floor {floor:.2f} ms per 1K positions "
             f"({kv_per_position / 1024:.0f} KB of KV per position at a measured {bandwidth:.1f} GB/s read)\n")
-    print("\n".join(lines) + note)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "slope.md").write_text("\n".join(lines) + "\n" + note)
+    print_and_write_table(lines, note, args.out, "slope.md")
 
 
 if __name__ == "__main__":

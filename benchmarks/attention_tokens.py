@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from tokenswift import kernels
 from tokenswift.machine import machine_name
 from tokenswift.model.attention import grouped_attention
+from tokenswift.tools.bench import print_and_write_table
 
 LAYERS, KV_HEADS, Q_HEADS, DIM = 30, 3, 9, 64
 
@@ -70,10 +70,7 @@ def main() -> None:
     lines += [f"| {keys:,} | {n} | {kernel:.1f} | {pytorch:.1f} | {kernel / pytorch:.2f} |" for keys, n, kernel, pytorch in rows]
     note = (f"\n{machine_name(torch.device('cpu'))}, {args.dtype}, {torch.get_num_threads()} threads, kernel path "
             f"{kernels.linear_path()}; {LAYERS} layers of {KV_HEADS} KV / {Q_HEADS} query heads x {DIM}, median of {args.repeats}\n")
-    print("\n".join(lines) + note)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "attention_tokens.md").write_text("\n".join(lines) + "\n" + note)
+    print_and_write_table(lines, note, args.out, "attention_tokens.md")
 
 
 if __name__ == "__main__":

@@ -17,13 +17,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from tokenswift import kernels
 from tokenswift.machine import machine_name
+from tokenswift.tools.bench import print_and_write_table
 
 LAYERS = 30
 # SmolLM2-135M's products of one layer (out, in): q, k, v, o, gate, up, down
@@ -81,10 +81,7 @@ def main() -> None:
     note = (f"\n{machine_name(torch.device('cpu'))}, {args.dtype}, {torch.get_num_threads()} threads, kernel path "
             f"{kernels.linear_path()}; {len(shapes)} products ({LAYERS} layers of SmolLM2-135M's shapes and its LM "
             f"head), {weight_bytes / 1e6:.0f} MB of weights, median of {args.repeats}\n")
-    print("\n".join(lines) + note)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "linear_rows.md").write_text("\n".join(lines) + "\n" + note)
+    print_and_write_table(lines, note, args.out, "linear_rows.md")
 
 
 if __name__ == "__main__":

@@ -300,6 +300,17 @@ def markdown_table(results: list[MethodResult]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def print_and_write_table(lines: list[str], note: str, out_dir: str | Path, name: str) -> Path:
+    """A benchmark script's markdown table (``lines``) and the note under it (machine,
+    settings): printed, and written to ``out_dir/name`` (the folder made if needed)."""
+    text = "\n".join(lines) + "\n" + note
+    print(text)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / name).write_text(text)
+    return out / name
+
+
 def write_reports(results: list[MethodResult], info: dict, out_dir: str | Path) -> dict[str, Path]:
     """bench.json, bench.md and bench.png in ``out_dir``."""
     out_dir = Path(out_dir)
