@@ -9,10 +9,12 @@ from tokenswift.testing import tiny_model_for
 
 
 def test_estimate_matches_the_actual_allocation():
-    pipe = Pipeline.from_spec(
-        {"preset": "tokenswift", "drafter": {"heads": "random"}, "cache": {"budget": 24, "sink": 2, "recent": 4}},
-        tiny_model_for("llama-gqa"),
-    )
+    model = tiny_model_for("llama-gqa")
+    spec = {"preset": "tokenswift", "drafter": {"heads": "random"}, "cache": {"budget": 24, "sink": 2, "recent": 4}}
+    # the machine's costs first: measuring them allocates a store of its own (alone, this
+    # test measured them inside the run and found that store, not the run's)
+    Pipeline.from_spec(spec, model).costs()
+    pipe = Pipeline.from_spec(spec, model)
     estimate = pipe.estimate_memory(20, 30)
     pipe.generate(list(range(1, 21)), 30, seed=0, ignore_eos=True)
     assert estimate.positions == pipe.runner.store.capacity == 20 + 30 + pipe.max_tree_nodes()
@@ -29,6 +31,20 @@ def test_a_run_that_cannot_fit_is_refused_before_allocating(monkeypatch):
     with pytest.raises(ValueError, match=r"this run needs about 0.\d\d GiB .* but only 0.01 GiB is available; lower max_new_tokens \(100000\)"):
         pipe.generate([1, 2, 3], 100_000)
     assert pipe.runner.store is None
+
+
+def test_a_refusal_counting_packed_weights_says_how_to_go_without_them(monkeypatch):
+    """Where the few-rows kernel would pack the weights, the refusal counts the copies and
+    names the setting that multiplies by the weights as stored; without them it does not."""
+    pipe = Pipeline.from_spec("ar", tiny_model_for("llama-mha", "float32"))
+    monkeypatch.setattr(pipeline_module, "available_bytes", lambda device: 10 * 2**20)
+    monkeypatch.setattr(pipe.runner, "packed_bytes", lambda: 3 * 2**20)
+    with pytest.raises(ValueError, match=r"packed weights 0.00 GiB\).* or set TOKENSWIFT_LINEARS=torch to multiply"):
+        pipe.generate([1, 2, 3], 100_000)
+    monkeypatch.setattr(pipe.runner, "packed_bytes", lambda: 0)
+    with pytest.raises(ValueError) as refused:
+        pipe.generate([1, 2, 3], 100_000)
+    assert "TOKENSWIFT_LINEARS" not in str(refused.value)
 
 
 class NaNAfter(Penalty):

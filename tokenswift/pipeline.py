@@ -24,7 +24,7 @@ from typing import Any
 import attrs
 import torch
 
-from tokenswift import compiling, distributed
+from tokenswift import compiling, distributed, kernels
 from tokenswift.checkpoint import Checkpoint
 from tokenswift.calibration import calibration_for
 from tokenswift.costs import CostModel
@@ -260,6 +260,8 @@ class Pipeline:
                 f"{gib(estimate.kv_bytes)}, drafting view {gib(estimate.view_bytes)}, packed weights "
                 f"{gib(estimate.packed_bytes)}), but only {gib(free)} is "
                 f"available; lower max_new_tokens ({max_new_tokens}) or the cache budget"
+                + ("" if not estimate.packed_bytes else
+                   f", or set {kernels.LINEARS_ENV}=torch to multiply by the weights as stored")
             )
 
     def kv_capacity(self, prompt_tokens: int, max_new_tokens: int) -> int:
