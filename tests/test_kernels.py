@@ -382,10 +382,13 @@ def test_packed_copies_are_counted_and_go_with_their_weight():
 def test_the_memory_estimate_counts_the_packed_copies_a_run_will_make():
     from tokenswift import Pipeline
 
-    model = tiny_model_for("llama-gqa", "bfloat16")
+    # 100 outputs in the LM head: packed on the AMX path too, whose tiles take the tiny
+    # models' other shapes as they are
+    model = tiny_model(dict(TINY_CONFIGS["llama-gqa"], vocab_size=100), dtype="bfloat16")
     pipe = Pipeline.from_spec("ar", model, word_tokenizer())
     pipe.runner.use_kernel_linears(True)
     linears = {id(m.weight): m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    linears[id(model.get_output_embeddings().weight)] = model.get_output_embeddings().weight
     expected = sum(kernels.packed_size(w) for w in linears.values())
     estimate = pipe.estimate_memory(8, 4)
     assert expected > 0 and estimate.packed_bytes == expected

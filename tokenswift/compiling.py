@@ -265,9 +265,7 @@ def compile_calibration_for_trees(runner) -> CompileCalibration | None:
     ``compile = true`` runs without one until ``tokenswift calibrate --compile``. None
     for models under :data:`AUTO_MIN_PARAMETERS` (test models), under torchrun or
     tensor parallelism, or where compiling is unavailable."""
-    if distributed.launched() or runner.tp_size != 1 or compiler_problem(runner.device) is not None:
-        return None
-    if sum(p.numel() for p in runner.model.parameters()) < AUTO_MIN_PARAMETERS:
+    if not _worth_compiling(runner):
         return None
     try:
         return compile_calibration_for(runner)
@@ -334,11 +332,18 @@ def tree_sizes(runner, choice: str | bool, calibration: CompileCalibration | Non
     return tree_sizes_for(runner) if choice is True else ()
 
 
-def _auto_pays(runner, context: int, new_tokens: int, calibration: CompileCalibration | None) -> bool:
-    """``compile = "auto"``'s decision; ``calibration``: the cached one, if any."""
+def _worth_compiling(runner) -> bool:
+    """Whether compiling (and measuring compiled forwards) is considered for ``runner`` at
+    all: not under torchrun or tensor parallelism, not without a compiler, not for models
+    under :data:`AUTO_MIN_PARAMETERS` (test models)."""
     if distributed.launched() or runner.tp_size != 1 or compiler_problem(runner.device) is not None:
         return False
-    if sum(p.numel() for p in runner.model.parameters()) < AUTO_MIN_PARAMETERS:
+    return sum(p.numel() for p in runner.model.parameters()) >= AUTO_MIN_PARAMETERS
+
+
+def _auto_pays(runner, context: int, new_tokens: int, calibration: CompileCalibration | None) -> bool:
+    """``compile = "auto"``'s decision; ``calibration``: the cached one, if any."""
+    if not _worth_compiling(runner):
         return False
     if calibration is None:
         if new_tokens < AUTO_CALIBRATE_MIN_TOKENS:

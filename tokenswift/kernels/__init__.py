@@ -283,13 +283,9 @@ def packs_weights() -> bool:
 
 def packed_size(weight: torch.Tensor) -> int:
     """Bytes the packed copy of ``weight`` [O, K] takes once :func:`few_rows_linear` has
-    multiplied by it on this build (0: it is multiplied as it is)."""
-    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[1] % 2 or not packs_weights():
-        return 0
-    out_features, in_features = weight.shape
-    if linear_path() == "amx" and in_features % 32 == 0 and out_features % 16 == 0:
-        return 0  # the tiles read the weight as it is
-    return -(-out_features // 16) * 16 * in_features * weight.element_size()
+    multiplied by it on this build (0: it is multiplied as it is; the kernel's own
+    dispatch decides)."""
+    return int(torch.ops.tokenswift_cpu.packed_size(weight)) if available() else 0
 
 
 def packed_weight_bytes() -> int:

@@ -513,6 +513,15 @@ int64_t packed_weight_bytes() { return 0; }
 void forget_packed_weights() {}
 #endif
 
+// Bytes the packed copy of `weight` takes once few_rows_linear has multiplied by it on
+// this build (0: it is multiplied as it is) -- the dispatch below, asked in advance.
+int64_t packed_size(const at::Tensor& weight) {
+  if (weight.scalar_type() != at::kBFloat16 || weight.dim() != 2) return 0;
+  const int64_t O = weight.size(0), K = weight.size(1);
+  if (amx_serves(K, O) || !packed_serves(weight)) return 0;
+  return (O + 15) / 16 * 16 * K * static_cast<int64_t>(sizeof(c10::BFloat16));
+}
+
 at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "few_rows_linear: CPU tensors only");
   TORCH_CHECK(weight.dim() == 2, "few_rows_linear: weight must be [out_features, in_features]");
@@ -570,6 +579,7 @@ std::string few_rows_linear_path() {
 TORCH_LIBRARY_FRAGMENT(tokenswift_cpu, m) {
   m.def("few_rows_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("few_rows_linear_path() -> str");
+  m.def("packed_size(Tensor weight) -> int");
   m.def("packed_weight_bytes() -> int");
   m.def("forget_packed_weights() -> ()");
 }
@@ -578,6 +588,7 @@ TORCH_LIBRARY_IMPL(tokenswift_cpu, CPU, m) { m.impl("few_rows_linear", &few_rows
 
 TORCH_LIBRARY_IMPL(tokenswift_cpu, CompositeExplicitAutograd, m) {
   m.impl("few_rows_linear_path", &few_rows_linear_path);
+  m.impl("packed_size", &packed_size);
   m.impl("packed_weight_bytes", &packed_weight_bytes);
   m.impl("forget_packed_weights", &forget_packed_weights);
 }

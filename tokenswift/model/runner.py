@@ -163,9 +163,10 @@ class Runner:
         self.packed_lm_head = lm_head
 
     def packed_bytes(self) -> int:
-        """Bytes the few-rows kernel's packed weight copies of this model will take that
-        are not held yet (0 where its products are not the kernel's or it packs none:
-        :func:`tokenswift.kernels.packed_size`)."""
+        """Bytes the few-rows kernel's packed weight copies of this model will take, less
+        the copies the kernel holds already (of any model: an estimate for a process with
+        one model); 0 where its products are not the kernel's or it packs none
+        (:func:`tokenswift.kernels.packed_size`)."""
         if not self.kernel_linears:
             return 0
         weights = {id(m.weight): m.weight for m in self.model.modules() if isinstance(m, torch.nn.Linear)}
