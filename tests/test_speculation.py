@@ -2,6 +2,7 @@
 that none of it changes what is emitted."""
 
 import json
+import random
 
 import attrs
 
@@ -13,7 +14,7 @@ from tokenswift import Pipeline, SpecError
 from tokenswift.calibration import Calibration, calibrate, calibration_for, load_calibration
 from tokenswift.costs import CostModel
 from tokenswift.interfaces import Verdict
-from tokenswift.speculation import AcceptanceTracker, AutoSpeculator, BurstChooser, DraftGate, StepFacts, choose
+from tokenswift.speculation import AcceptanceTracker, AutoSpeculator, DraftGate, RateChooser, StepFacts, choose
 from tokenswift.testing import assert_lossless, looping_model, tiny_model_for
 from tokenswift.tree import DRAFTER, RETRIEVER, Branch, DraftTree
 
@@ -218,116 +219,97 @@ def test_gate_backs_off_while_proposing_does_not_pay_and_resumes_when_it_does():
     assert not gate.draft()  # no longer
 
 
-def test_burst_chooser_prefers_the_faster_arm_and_keeps_exploring():
-    chooser = BurstChooser(explore_every=4, burst=1)
-    assert chooser.pick() is True
-    chooser.observe(True, tokens=3, seconds=0.1)  # 30 tokens/s with the pass
-    assert chooser.pick() is False
-    chooser.observe(False, tokens=1, seconds=0.1)  # 10 without
+def run_arms(chooser: RateChooser, steps: int, arm_step) -> list[bool]:
+    """``steps`` picks of ``chooser``, each observed as ``arm_step(arm, step)`` says
+    (tokens, seconds)."""
     picks = []
-    for _ in range(12):
-        ran = chooser.pick()
-        picks.append(ran)
-        chooser.observe(ran, tokens=3 if ran else 1, seconds=0.1)
-    # explores the other arm at the 4th step, then (still the worse) 8 steps later
-    assert [step for step, ran in enumerate(picks) if not ran] == [3, 11]
+    for step in range(steps):
+        arm = chooser.pick()
+        picks.append(arm)
+        tokens, seconds = arm_step(arm, step)
+        chooser.observe(arm, tokens, seconds)
+    return picks
 
 
-def test_burst_chooser_tries_a_losing_arm_ever_less_often_and_switches_when_it_wins():
-    chooser = BurstChooser(explore_every=4, longest=16, burst=1)
-    chooser.pick(), chooser.observe(True, tokens=1, seconds=0.1)  # 10 tokens/s with the pass
-    chooser.pick(), chooser.observe(False, tokens=3, seconds=0.1)  # 30 without
-    tries = []
-    for step in range(60):
-        ran = chooser.pick()
-        if ran:
-            tries.append(step)
-        chooser.observe(ran, tokens=1 if ran else 3, seconds=0.1)
-    assert tries[0] == 3 and [b - a for a, b in zip(tries, tries[1:])] == [8, 16, 16, 16]  # 4th step, then 8, 16, at most 16
-    # the pass arm becomes the faster one: once tried, it stays
-    chooser = BurstChooser(explore_every=4, burst=1)
-    chooser.pick(), chooser.observe(True, tokens=1, seconds=0.1)
-    chooser.pick(), chooser.observe(False, tokens=3, seconds=0.1)
-    picks = []
-    for _ in range(40):
-        ran = chooser.pick()
-        picks.append(ran)
-        chooser.observe(ran, tokens=30 if ran else 3, seconds=0.1)  # passes now pay 10x
-    assert picks[3] is True and picks[4:].count(False) <= 3  # switched; the other arm only tried, ever less often
+def test_rate_chooser_measures_both_arms_then_tries_a_far_slower_one_when_its_estimate_has_aged():
+    """Steps of the speculating arm take 31 ms for a token where plain ones take 18 ms
+    (an AVX2 machine whose trees do not pay): measured for two steps (it is many standard
+    errors behind then), then tried for two steps once its estimate has aged into doubt
+    (about every half-life); what its steps were charged stays within the budget."""
+    chooser = RateChooser(first=False, burst=4, half_life=20.0)
+    picks = run_arms(chooser, 8000, lambda arm, step: (1, 0.031 if arm else 0.018))
+    assert picks[:7] == [False] * 4 + [True, True, False]
+    starts = [step for step in range(1, len(picks)) if picks[step] and not picks[step - 1]]
+    assert [picks[step:step + 3] for step in starts] == [[True, True, False]] * len(starts)
+    assert 3 <= len(starts) <= 1 + 8000 * 0.018 / 10.0 and all((b - a) * 0.018 > 10.0 for a, b in zip(starts, starts[1:]))
+    assert 0 < chooser.spent <= chooser.budget * chooser.elapsed
+    assert chooser.rate(True) == pytest.approx(1 / 0.031) and chooser.rate(False) == pytest.approx(1 / 0.018)
+    assert RateChooser().rate(True) is None
+
+
+def test_rate_chooser_switches_when_the_other_arm_becomes_the_faster():
+    """The pass arm pays 3 tokens a step, then (a change of regime) only 1 where the
+    other pays 3: its estimate falls within a half-life, the other's (old and in doubt)
+    is drawn, and the chooser stays with it."""
+    chooser = RateChooser(first=True, half_life=5.0)
+    picks = run_arms(chooser, 600, lambda arm, step: ((3 if arm else 1) if step < 200 else (1 if arm else 3), 0.1))
+    assert picks[:6] == [True] * 4 + [False] * 2  # each arm measured first (the slower for 2 steps)
+    assert picks[6:200].count(False) <= 8  # then the faster, but for a try now and then
+    switched = next(step for step in range(200, 600) if not picks[step] and not any(picks[step:step + 50]))
+    assert switched < 200 + 50  # within a half-life (50 steps)
+    assert picks[switched:].count(True) <= 0.1 * (600 - switched)
+
+
+def test_rate_chooser_tells_arms_six_percent_apart_from_one_steps_spread_of_35_percent():
+    """One step's tokens spread by 35% about their mean (acceptance is a draw) and the
+    arms differ by 6% (``eagle``'s speculative steps against plain ones on a 2-core Zen
+    4): the faster arm runs most steps, found within the first few hundred; a chooser
+    that could not tell them apart would run each half the time."""
+    draws = random.Random(7)
+
+    def step(arm, _step):
+        return max(0.0, draws.gauss(1.06 if arm else 1.0, 0.35)), 0.02
+
+    for first in (True, False):
+        chooser = RateChooser(first=first)
+        picks = run_arms(chooser, 2000, step)
+        assert picks[:300].count(True) > 150 and picks[300:].count(True) > 0.8 * 1700
+        assert picks[300:].count(False) > 0  # the slower is still tried now and then
+
+
+def test_rate_chooser_is_not_fooled_by_one_unlucky_step():
+    """Steps without the pass earn 1-3 tokens in 75 ms (26.7 tokens/s on average), steps
+    with it 2 tokens in 100 ms (20): the chooser settles on no pass within its first
+    bursts, although the first step it ran without one earned a single token."""
+    without = iter([1, 3, 2, 3, 1, 2] * 100)
+    picks = run_arms(RateChooser(), 200, lambda arm, step: (2, 0.1) if arm else (next(without), 0.075))
+    assert picks[:4] == [True] * 4 and picks[4:8] == [False] * 4  # each arm tried for a burst first
+    # then no pass but for a try now and then (a run of ~80 steps is a 32K run's 150
+    # tokens; judged a step at a time, an earlier chooser passed until step ~48)
+    assert picks[8:80].count(False) >= 60 and picks[100:].count(False) > 85
 
 
 def test_a_burst_ends_after_two_steps_that_could_not_earn():
     """Steps of the tried arm whose tree choice kept no proposed node (``futile``) end
-    its burst after two of them; steps that earned, however few, run the whole burst."""
+    its burst after two of them; steps that earned, however few, run the whole burst.
+    After a burst that ended so, the next ends at its first futile step."""
 
-    def burst_length(futile):
-        chooser = BurstChooser(explore_every=4, burst=4)
+    def burst_length(chooser, futile):
         steps = 0
         while chooser.pick():
             steps += 1
             chooser.observe(True, tokens=1, seconds=0.1, futile=futile(steps))
         return steps
 
-    assert burst_length(lambda step: False) == 4
-    assert burst_length(lambda step: True) == 2
-    assert burst_length(lambda step: step != 2) == 3  # the 1st and 3rd were futile
-    # an exploring burst of the losing arm ends likewise
-    assert speculating_loses(steps=6, futile=lambda step: True) == [False, False, False, True, True, False]
-
-
-def speculating_loses(*, steps: int, futile, longest: int = 256) -> list[bool]:
-    """A chooser (bursts of 4, first try after 4 steps) whose speculating arm earns 1
-    token a step and the other 3, each arm measured for a burst first; ``steps`` more
-    picks, the speculating arm's steps futile where ``futile(step)``."""
-    chooser = BurstChooser(explore_every=4, burst=4, longest=longest)
-    for arm, tokens in ((True, 1),) * 4 + ((False, 3),) * 4:
-        assert chooser.pick() is arm
-        chooser.observe(arm, tokens=tokens, seconds=0.1)
-    picks = []
-    for step in range(steps):
-        ran = chooser.pick()
-        picks.append(ran)
-        chooser.observe(ran, tokens=1 if ran else 3, seconds=0.1, futile=ran and futile(step))
-    return picks
-
-
-def test_after_a_futile_try_the_next_ends_at_its_first_futile_step_and_comes_four_times_as_late():
-    """Where no tree ever pays (every step of the speculating arm futile), its tries
-    after the first are one step each, 16, 64, then 256 steps apart; a try that earns
-    something runs its whole burst again and the wait grows by two, as before."""
-
-    def tries(futile_after):
-        picks = speculating_loses(steps=400, futile=lambda step: step >= futile_after)
-        starts = [step for step, ran in enumerate(picks) if ran and (step == 0 or not picks[step - 1])]
-        return [(start, next(i for i in range(start, len(picks) + 1) if i == len(picks) or not picks[i]) - start)
-                for start in starts]
-
-    assert tries(futile_after=0) == [(3, 2), (20, 1), (84, 1), (340, 1)]
-    # the first try earned (not futile): a whole burst, the wait doubled; the second was
-    # futile after two steps, then the rule above
-    assert tries(futile_after=10)[:3] == [(3, 4), (14, 2), (47, 1)]
-
-
-def test_burst_chooser_is_not_fooled_by_one_unlucky_step():
-    """Steps without the pass earn 1-3 tokens in 75 ms (26.7 tokens/s on average), steps
-    with it 2 tokens in 100 ms (20): the chooser settles on no pass within its first
-    bursts, although the first step it ran without one earned a single token."""
-
-    def run(chooser, steps=200):
-        without = iter([1, 3, 2, 3, 1, 2] * 100)
-        picks = []
-        for _ in range(steps):
-            ran = chooser.pick()
-            picks.append(ran)
-            chooser.observe(ran, tokens=2 if ran else next(without), seconds=0.1 if ran else 0.075)
-        return picks
-
-    picks = run(BurstChooser())
-    assert picks[:4] == [True] * 4 and picks[4:8] == [False] * 4  # each arm tried for a burst first
-    # then no pass but for a burst of passes now and then (a run of ~80 steps is a
-    # 32K run's 150 tokens; judged a step at a time, it passed until step ~48)
-    assert picks[8:80].count(False) >= 60 and picks[100:].count(False) > 85
-    assert BurstChooser().rate(True) is None
+    assert burst_length(RateChooser(burst=4), lambda step: False) == 4
+    assert burst_length(RateChooser(burst=4), lambda step: step != 2) == 3  # the 1st and 3rd were futile
+    chooser = RateChooser(burst=4, half_life=1e-9, z=1e9)  # estimates forgotten: the slower arm drawn often
+    assert burst_length(chooser, lambda step: True) == 2
+    chooser.observe(False, tokens=3, seconds=0.1)  # the pick that ended the loop began the other arm's burst
+    for _ in range(3):
+        assert chooser.pick() is False
+        chooser.observe(False, tokens=3, seconds=0.1)
+    assert burst_length(chooser, lambda step: True) == 1
 
 
 # -- in the pipeline ---------------------------------------------------------------------------
@@ -379,34 +361,44 @@ def test_speculation_stops_where_its_steps_realise_fewer_tokens_per_second(monke
         plain = with_costs(Pipeline.from_spec(spec, looping_model()), 0.0).generate(prompt, 48, seed=0, ignore_eos=True)
         assert [token for r in records for token in r.emitted] == plain.tokens
         trees[guard] = [r.verified > 0 for r in records]
-    assert sum(trees[True][:8]) >= 3  # each arm first measured for a burst
+    assert trees[True][:4] == [False] * 4 and sum(trees[True][4:8]) >= 2  # plain steps measured first, then trees
     assert sum(trees[True][8:]) <= 0.25 * len(trees[True][8:])  # then plain steps but for trials
     assert sum(trees[False]) >= 2 * sum(trees[True]) and sum(trees[False][8:]) > 0.25 * len(trees[False][8:])
 
 
+def plain_step(seconds: float = 0.01) -> StepFacts:
+    return StepFacts(tree=DraftTree.root_only(1), verdict=Verdict(accepted=[], bonus=2), context=64,
+                     forward_seconds=seconds, step_seconds=seconds, proposing_seconds={}, drafting_pass=None,
+                     view_seconds=0.0, emitted=1)
+
+
+def speculator_past_its_plain_burst(seconds: float = 0.01) -> AutoSpeculator:
+    """An AutoSpeculator whose plain guard has measured its plain steps (its first burst)."""
+    speculator = AutoSpeculator(CostModel(calibration(0.0)), 8)
+    for _ in range(speculator.speculating.burst):
+        assert speculator.proposers() == ()
+        speculator.learn(plain_step(seconds))
+    return speculator
+
+
 def test_the_guard_ends_a_trial_after_two_steps_whose_tree_kept_no_proposed_node():
     """A step that may speculate, whose proposers ran but whose tree choice kept only the
-    root, could not have earned: after two of them the guard's burst ends and plain
-    steps follow. A step that kept a node counts as a trial step like any other."""
+    root, could not have earned: after two of them the guard's burst ends. A step that
+    kept a node counts as a trial step like any other."""
 
-    def facts(tree, emitted):
-        return StepFacts(tree=tree, verdict=Verdict(accepted=list(range(1, emitted)), bonus=2), context=64,
-                         forward_seconds=0.01, step_seconds=0.05, proposing_seconds={DRAFTER: 0.03},
-                         drafting_pass=None, view_seconds=0.0, emitted=emitted)
+    def facts(tree):
+        return StepFacts(tree=tree, verdict=Verdict(accepted=[], bonus=2), context=64, forward_seconds=0.005,
+                         step_seconds=0.01, proposing_seconds={DRAFTER: 0.003}, drafting_pass=None,
+                         view_seconds=0.0, emitted=1)
 
-    root_only = DraftTree.root_only(1)
-    speculator = AutoSpeculator(CostModel(calibration(0.0)), 8)
-    for _ in range(2):
-        assert speculator.proposers() == (DRAFTER, RETRIEVER)
-        speculator.learn(facts(root_only, 1))
-    assert speculator.proposers() == ()  # the burst ended early: plain steps measured next
     kept = DraftTree.root_only(1)
     kept.add_branch([7], parent=0)
-    speculator = AutoSpeculator(CostModel(calibration(0.0)), 8)
-    for _ in range(3):
-        assert speculator.proposers() == (DRAFTER, RETRIEVER)
-        speculator.learn(facts(kept, 1))
-    assert speculator.proposers() == (DRAFTER, RETRIEVER)  # the fourth step of the burst
+    for tree, steps, left in ((DraftTree.root_only(1), 2, 0), (kept, 3, 1)):
+        speculator = speculator_past_its_plain_burst()
+        for _ in range(steps):
+            assert speculator.proposers() == (DRAFTER, RETRIEVER)
+            speculator.learn(facts(tree))
+        assert speculator.speculating.left == left  # ended early / the burst's fourth step to come
 
 
 def test_the_guard_and_the_drafters_gate_judge_speculative_steps_without_the_catch_up():
@@ -420,7 +412,7 @@ def test_the_guard_and_the_drafters_gate_judge_speculative_steps_without_the_cat
                       emitted=2)
     rates, earned = [], []
     for catch_up in (0.0, 0.02):
-        speculator = AutoSpeculator(CostModel(calibration(0.0)), 8)
+        speculator = speculator_past_its_plain_burst()
         assert speculator.proposers() == (DRAFTER, RETRIEVER)
         speculator.learn(attrs.evolve(facts, step_seconds=0.05 + catch_up,
                                       proposing_seconds={DRAFTER: 0.03 + catch_up}, catch_up_seconds=catch_up))
@@ -434,15 +426,15 @@ def test_a_step_that_compiled_a_graph_teaches_the_choosers_and_gates_nothing():
     """A graph met for the first time compiles inside a step (seconds): that step's
     timings say nothing of the steps to come, so neither the plain guard, the pass
     chooser, the gates nor the cost model learn from them (only the acceptance does)."""
-    speculator = AutoSpeculator(CostModel(calibration(0.0)), 8)
-    assert speculator.proposers() == (DRAFTER, RETRIEVER)  # the guard's first burst speculates
+    speculator = speculator_past_its_plain_burst()
+    assert speculator.proposers() == (DRAFTER, RETRIEVER)  # the guard's second burst speculates
     tree = DraftTree.root_only(1)
     tree.add_branch([7], parent=0)
     facts = StepFacts(tree=tree, verdict=Verdict(accepted=[1], bonus=2), context=64, forward_seconds=5.0,
                       step_seconds=5.0, proposing_seconds={DRAFTER: 0.001}, drafting_pass=True, view_seconds=0.0,
                       emitted=2, compile_seconds=4.9)
     speculator.learn(facts)
-    assert speculator.speculating.samples == speculator.passes.samples == {True: 0, False: 0}
+    assert speculator.speculating.samples == {True: 0, False: 4} and speculator.passes.samples == {True: 0, False: 0}
     assert not speculator.gates[DRAFTER].recent and speculator.tracker.depth_rate(DRAFTER, 1) > 0.05
     speculator.proposers()
     speculator.learn(attrs.evolve(facts, compile_seconds=0.0))  # the same step without a compile
@@ -477,7 +469,7 @@ def test_the_drafting_view_is_kept_only_at_steps_whose_pass_runs(monkeypatch):
     refreshes no more than those need; one that cannot say has it called at every
     step that asks for a pass, as before. The runs emit the same tokens either way."""
     spec = {"preset": "tokenswift", "drafter": {"heads": "random"}, "cache": {"budget": 12, "sink": 2, "recent": 3},
-            "sampling": {"greedy": True}}
+            "sampling": {"greedy": True}, "speculation": {"plain_guard": False}}  # every step may speculate
     runs = {}
     for policy_can_say in (True, False):
         pipe = with_costs(Pipeline.from_spec(spec, tiny_model_for("llama-gqa")), 0.0)

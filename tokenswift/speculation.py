@@ -12,7 +12,7 @@ predicted second (:class:`~tokenswift.costs.CostModel`), k = 0 included: a plain
 autoregressive step. That is EAGLE-2's dynamic tree, sized by the measured cost curve
 as Sequoia sizes its trees.
 
-:class:`BurstChooser` makes two decisions by the tokens per second the steps of each
+:class:`RateChooser` makes two decisions by the tokens per second the steps of each
 arm have realised: whether to speculate at all (the cost model prices the forwards it
 measures, not everything a proposal, its scoring and its bookkeeping take on every
 machine), and, for a drafter that drafts from a pass of the root over a *partial* KV
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import random
 from collections import defaultdict
 from collections.abc import Mapping
 
@@ -223,95 +224,174 @@ class DraftGate:
             self.recent.clear()
 
 
-class BurstChooser:
-    """Which of two arms (True / False: speculate or not, a drafting pass or not) pays
-    more: the better by realised tokens per second, trying the other arm now and then
-    so that a change of regime is noticed: after ``explore_every`` steps, and each time
-    the tried arm is still the worse, twice as long as before, up to ``longest`` (one
-    tried pass costs most of a step: trying every 16th step cost 4% of a 256-token run
-    at 12K context where passes did not pay, on a 2-core Sapphire Rapids).
+@attrs.define
+class ArmRate:
+    """One arm's steps, each weighted by ``2 ** -(age / half_life)`` (its age in seconds
+    of the run): running weighted sums of what :meth:`RateChooser.rate` and
+    :meth:`RateChooser.error` need."""
 
-    An arm is tried for ``burst`` steps in a row, and its rate is its average tokens over
-    its average seconds (each a running mean over its first steps, then an exponential
-    average), not an average of per-step rates. Judged one step at a time by the latter,
-    one unlucky step (one token where two or three are usual) made an arm look worse, its
-    next try came twice as late and moved the average a fifth of the way: at 32K (2-core
-    Sapphire Rapids, greedy) the ``tokenswift`` preset kept passes on 67 of 73 steps at
-    19.9 tokens/s where its steps without them ran 23.9.
+    count: int = 0  # steps observed
+    weight: float = 0.0  # the sum of their weights: the steps' worth of evidence, fading with age
+    tokens: float = 0.0
+    seconds: float = 0.0
+    tokens_squares: float = 0.0
+    tokens_seconds: float = 0.0
+    seconds_squares: float = 0.0
 
-    A burst also ends after ``futile`` of its steps that could not have earned anything
-    (``observe(..., futile=True)``: steps that may speculate whose tree choice verified
-    no node): at 32K positions (a 2-core AMD EPYC Zen 4, greedy) the ``tokenswift``
-    preset's trial steps proposed for ~56 ms, verified nothing and cost the run ~5%.
-    After a burst that ended so, the next try of that arm ends at its first such step
-    and comes four times as late, not twice: at 32K (the same machine, greedy, 192
-    tokens) ``eagle`` then speculated in 8 steps instead of 18 (0.994x against 0.985x
-    ``ar``, single runs). Tries that verify a node that is rarely accepted are not
-    futile and keep the doubling: on that CPU run as an AVX2 machine (2K prompt) they were
-    18-22 of ~765 steps at ~41 ms against 17.5 for a plain one either way."""
+    def decay(self, factor: float) -> None:
+        if not self.count:
+            return
+        factor = max(factor, 1e-12 / self.weight)  # at most next to nothing left to know, never 0 / 0
+        self.weight *= factor
+        self.tokens *= factor
+        self.seconds *= factor
+        self.tokens_squares *= factor
+        self.tokens_seconds *= factor
+        self.seconds_squares *= factor
+
+    def add(self, tokens: float, seconds: float) -> None:
+        self.count += 1
+        self.weight += 1.0
+        self.tokens += tokens
+        self.seconds += seconds
+        self.tokens_squares += tokens * tokens
+        self.tokens_seconds += tokens * seconds
+        self.seconds_squares += seconds * seconds
+
+
+class RateChooser:
+    """Which of two arms (True / False: speculate or not, a drafting pass or not) realises
+    more tokens per second, found at a bounded cost.
+
+    An arm's *rate* is its tokens over its seconds, each step weighted by its age in
+    seconds of the run (halved every ``half_life``), with a standard error from how its
+    steps spread about it (shrunk towards ``spread``, the relative spread of one step's
+    rate, while an arm has few recent steps: an arm not run for a while grows uncertain).
+    Arms run in bursts of ``burst`` steps, ``first`` measured first, then the other. At
+    the end of each burst the next is drawn by Thompson sampling: a rate is drawn for each
+    arm from a normal of its estimate and standard error, and the higher runs; an arm many
+    standard errors behind is next to never drawn.
+
+    Each step of the worse arm is charged how surely it is behind (its rate's gap to the
+    better's, less ``z`` standard errors of the gap), and the worse arm is drawn only while
+    the charges stay within ``budget`` of the run's seconds. Arms too close to tell apart
+    alternate at no charge until they are told apart; an arm surely behind costs at most
+    ``budget`` of the run, or is tried when its estimate has aged into doubt. A burst of
+    the worse arm ends early once it is ``z`` standard errors behind (from its second
+    step), or after ``futile`` of its steps that could not have earned anything
+    (``observe(..., futile=True)``; one, after a burst of the arm that ended so).
+
+    Why not the bursts judged by running means that came before: on a 2-core AMD EPYC
+    Zen 4 (2K prompt, compiled, greedy), ``eagle``'s speculative steps realised 6% more
+    tokens per second than plain ones, but one step's rate spreads by ~35%; judged on an
+    exponential average of ~9 steps, an unlucky burst sent the next try twice as far, and
+    the guard speculated in 64 of 487 steps (1.02x ``ar`` against 1.06x without it)."""
 
     def __init__(
-        self, *, explore_every: int = 16, longest: int = 256, smoothing: float = 0.2, burst: int = 4, futile: int = 2,
+        self, *, first: bool = True, half_life: float = 20.0, burst: int = 4, z: float = 2.0, spread: float = 0.35,
+        budget: float = 0.005, futile: int = 2, seed: int = 0,
     ) -> None:
-        self.explore_every = explore_every
-        self.longest = longest
-        self.smoothing = smoothing
+        self.first = first
+        self.half_life = half_life
         self.burst = burst
+        self.z = z
+        self.spread = spread
+        self.budget = budget
         self.futile = futile
+        self.arms = {True: ArmRate(), False: ArmRate()}
+        self.random = random.Random(seed)  # the draws: timings vary from run to run anyway, never the tokens
+        self.elapsed = 0.0  # seconds of every step observed
+        self.spent = 0.0  # what the steps of the worse arm were charged (seconds)
+        self.tried: bool | None = None  # the arm of the running burst
+        self.left = 0  # steps of the running burst still to run
+        self.trying_worse = False  # the running burst is of the arm that was behind (or unmeasured)
         self.futile_steps = 0  # steps of the running burst that could not have earned
-        self.tokens: dict[bool, float] = {True: 0.0, False: 0.0}
-        self.seconds: dict[bool, float] = {True: 0.0, False: 0.0}
-        self.samples: dict[bool, int] = {True: 0, False: 0}
-        self.interval = explore_every  # steps between tries of the worse arm
-        self.until = explore_every  # steps left before the next try
-        self.tried: bool | None = None  # the arm being tried, until its burst is observed
-        self.left = 0  # steps of the try still to run
-        self.exploring = False  # the try is of the worse arm (not a first measurement)
-        self.last_futile = False  # the last burst ended for its futile steps
+        self.last_futile = {True: False, False: False}  # each arm's last burst ended for its futile steps
+
+    @property
+    def samples(self) -> dict[bool, int]:
+        """Steps observed of each arm."""
+        return {arm: rate.count for arm, rate in self.arms.items()}
 
     def rate(self, arm: bool) -> float | None:
         """The arm's realised tokens per second (None: never run)."""
-        return self.tokens[arm] / self.seconds[arm] if self.samples[arm] else None
+        sums = self.arms[arm]
+        return sums.tokens / sums.seconds if sums.count else None
+
+    def error(self, arm: bool) -> float:
+        """The standard error of :meth:`rate` (tokens per second; the arm has run)."""
+        sums, rate = self.arms[arm], self.rate(arm)
+        steps = sums.weight  # each step's worth halves every half-life: an old estimate is in doubt
+        residual = max(0.0, sums.tokens_squares - 2 * rate * sums.tokens_seconds + rate * rate * sums.seconds_squares)
+        # The prior spread counts as this many steps' worth of residuals, relative to the
+        # tokens of the arm that earns more a step (an arm's own unlucky first steps would
+        # make its spread look small).
+        prior_steps = 4
+        typical = max(other.tokens / other.weight for other in self.arms.values() if other.count)
+        variance = (residual + prior_steps * (self.spread * typical) ** 2) / (steps + prior_steps)
+        return (variance / steps) ** 0.5 / (sums.seconds / sums.weight)
+
+    def _start(self, arm: bool) -> bool:
+        other = self.rate(not arm)
+        self.trying_worse = other is not None and (not self.arms[arm].count or self.rate(arm) < other)
+        self.tried, self.left, self.futile_steps = arm, self.burst, 0
+        return arm
 
     def pick(self) -> bool:
         """The arm this step runs."""
         if self.left > 0:
             return self.tried
-        for arm in (True, False):  # each arm measured first, for a burst
-            if not self.samples[arm]:
-                self.tried, self.left, self.exploring, self.futile_steps = arm, self.burst, False, 0
-                return arm
+        for arm in (self.first, not self.first):  # each arm measured first, for a burst
+            if not self.arms[arm].count:
+                return self._start(arm)
         best = self.rate(True) >= self.rate(False)
-        self.until -= 1
-        if self.until > 0:
-            return best
-        self.tried, self.left, self.exploring, self.futile_steps = not best, self.burst, True, 0
-        return not best
+        draws = {arm: self.random.gauss(self.rate(arm), self.error(arm)) for arm in (True, False)}
+        if draws[not best] > draws[best] and self.spent <= self.budget * self.elapsed:
+            return self._start(not best)
+        return self._start(best)
 
-    def observe(self, arm: bool, tokens: int, seconds: float, *, futile: bool = False) -> None:
-        """A step of ``arm`` emitted ``tokens`` in ``seconds`` (``futile``: it could not
-        have earned more than a step of the other arm)."""
+    def observe(self, arm: bool, tokens: float, seconds: float, *, futile: bool = False) -> None:
+        """A step of ``arm`` emitted ``tokens`` in ``seconds``
+        (``futile``: it could not have earned more than a step of the other arm)."""
         if seconds <= 0:
             return
-        self.samples[arm] += 1
-        weight = max(self.smoothing, 1 / self.samples[arm])
-        self.tokens[arm] += weight * (tokens - self.tokens[arm])
-        self.seconds[arm] += weight * (seconds - self.seconds[arm])
+        self.elapsed += seconds
+        factor = 2.0 ** (-seconds / self.half_life)
+        for sums in self.arms.values():
+            sums.decay(factor)
+        self.arms[arm].add(tokens, seconds)
         if self.tried is None or arm != self.tried or self.left == 0:
             return
         self.left -= 1
         self.futile_steps += futile
-        ended_futile = self.futile_steps >= (1 if self.last_futile else self.futile)
-        if ended_futile:
+        if self.trying_worse:
+            self.spent += seconds * self._surely_behind(arm)
+        ended_futile = self.futile_steps >= (1 if self.last_futile[arm] else self.futile)
+        if ended_futile or (self.burst - self.left >= 2 and self._behind(arm)):
             self.left = 0
         if self.left == 0:
-            if self.exploring:  # judged now
-                now_best = self.rate(True) >= self.rate(False)
-                growth = 4 if ended_futile else 2
-                self.interval = self.explore_every if now_best == arm else min(growth * self.interval, self.longest)
-                self.until = self.interval
-            self.last_futile = ended_futile
-            self.tried = None
+            self.last_futile[arm], self.tried = ended_futile, None
+
+    def _gap(self, arm: bool) -> tuple[float, float]:
+        """How far ``arm``'s rate is behind the other's, and that gap's standard error."""
+        return self.rate(not arm) - self.rate(arm), (self.error(arm) ** 2 + self.error(not arm) ** 2) ** 0.5
+
+    def _surely_behind(self, arm: bool) -> float:
+        """How far ``arm``'s rate is behind the other's, less ``z`` standard errors of the
+        gap, as a share of the other's (0: not surely behind): what a step of it is charged.
+        One step's tokens are a draw: charging what each step realised would run the
+        account into debt on a few unlucky steps of an arm as good as the other."""
+        if not self.arms[not arm].count:
+            return 0.0
+        gap, error = self._gap(arm)
+        return max(0.0, (gap - self.z * error) / self.rate(not arm))
+
+    def _behind(self, arm: bool) -> bool:
+        """``arm`` is ``z`` standard errors behind the other."""
+        if not self.arms[not arm].count:
+            return False
+        gap, error = self._gap(arm)
+        return gap > self.z * error
 
 
 # -- the policy the decoding loop asks -------------------------------------------------
@@ -392,7 +472,7 @@ class AutoSpeculator(Speculator):
     """Each step's tree chosen by expected tokens per predicted second: the
     :class:`AcceptanceTracker` corrects the proposers' confidences, the
     :class:`CostModel` predicts the forward, a :class:`DraftGate` per proposer skips
-    one whose candidates have not paid, and two :class:`BurstChooser` s decide by
+    one whose candidates have not paid, and two :class:`RateChooser` s decide by
     realised tokens per second whether to speculate at all and whether a drafting pass
     over a partial view pays (the first only with ``plain_guard``). At most
     ``max_nodes`` nodes below the root (0: plain steps only).
@@ -407,8 +487,8 @@ class AutoSpeculator(Speculator):
         super().__init__(max_nodes)
         self.costs = costs
         self.tracker = AcceptanceTracker()
-        self.speculating = BurstChooser() if plain_guard else None
-        self.passes = BurstChooser()
+        self.speculating = RateChooser(first=False) if plain_guard else None
+        self.passes = RateChooser()
         self.gates = {DRAFTER: DraftGate(), RETRIEVER: DraftGate()}
         self._speculates: bool | None = None  # this step's arm of ``speculating``
 
