@@ -234,15 +234,15 @@ def run_arms(chooser: RateChooser, steps: int, arm_step) -> list[bool]:
 def test_rate_chooser_measures_both_arms_then_tries_a_far_slower_one_when_its_estimate_has_aged():
     """Steps of the speculating arm take 31 ms for a token where plain ones take 18 ms
     (an AVX2 machine whose trees do not pay): measured for two steps (it is many standard
-    errors behind then), then tried for two steps once its estimate has aged into doubt
-    (about every half-life); what its steps were charged stays within the budget."""
+    errors behind then), then tried for two steps once its estimate has aged into doubt,
+    about once a half-life: 0.2% of the run's steps."""
     chooser = RateChooser(first=False, burst=4, half_life=20.0)
     picks = run_arms(chooser, 8000, lambda arm, step: (1, 0.031 if arm else 0.018))
     assert picks[:7] == [False] * 4 + [True, True, False]
     starts = [step for step in range(1, len(picks)) if picks[step] and not picks[step - 1]]
     assert [picks[step:step + 3] for step in starts] == [[True, True, False]] * len(starts)
-    assert 3 <= len(starts) <= 1 + 8000 * 0.018 / 10.0 and all((b - a) * 0.018 > 10.0 for a, b in zip(starts, starts[1:]))
-    assert 0 < chooser.spent <= chooser.budget * chooser.elapsed
+    seconds = 8000 * 0.018
+    assert 3 <= len(starts) <= 1 + seconds / 10.0 and all((b - a) * 0.018 > 10.0 for a, b in zip(starts, starts[1:]))
     assert chooser.rate(True) == pytest.approx(1 / 0.031) and chooser.rate(False) == pytest.approx(1 / 0.018)
     assert RateChooser().rate(True) is None
 

@@ -261,7 +261,7 @@ class ArmRate:
 
 class RateChooser:
     """Which of two arms (True / False: speculate or not, a drafting pass or not) realises
-    more tokens per second, found at a bounded cost.
+    more tokens per second.
 
     An arm's *rate* is its tokens over its seconds, each step weighted by its age in
     seconds of the run (halved every ``half_life``), with a standard error from how its
@@ -269,17 +269,14 @@ class RateChooser:
     rate, while an arm has few recent steps: an arm not run for a while grows uncertain).
     Arms run in bursts of ``burst`` steps, ``first`` measured first, then the other. At
     the end of each burst the next is drawn by Thompson sampling: a rate is drawn for each
-    arm from a normal of its estimate and standard error, and the higher runs; an arm many
-    standard errors behind is next to never drawn.
+    arm from a normal of its estimate and standard error, and the higher runs.
 
-    Each step of the worse arm is charged how surely it is behind (its rate's gap to the
-    better's, less ``z`` standard errors of the gap), and the worse arm is drawn only while
-    the charges stay within ``budget`` of the run's seconds. Arms too close to tell apart
-    alternate at no charge until they are told apart; an arm surely behind costs at most
-    ``budget`` of the run, or is tried when its estimate has aged into doubt. A burst of
-    the worse arm ends early once it is ``z`` standard errors behind (from its second
-    step), or after ``futile`` of its steps that could not have earned anything
-    (``observe(..., futile=True)``; one, after a burst of the arm that ended so).
+    A burst of the worse arm ends early once it is ``z`` standard errors behind (from its
+    second step), or after ``futile`` of its steps that could not have earned anything
+    (``observe(..., futile=True)``; one, after a burst of the arm that ended so). Arms too
+    close to tell apart alternate, which costs little, until they are told apart; an arm
+    far behind is drawn again when its estimate has aged into doubt, for two steps about
+    once a half-life, so that a change of regime (a longer context, other text) is noticed.
 
     Why not the bursts judged by running means that came before: on a 2-core AMD EPYC
     Zen 4 (2K prompt, compiled, greedy), ``eagle``'s speculative steps realised 6% more
@@ -289,22 +286,18 @@ class RateChooser:
 
     def __init__(
         self, *, first: bool = True, half_life: float = 20.0, burst: int = 4, z: float = 2.0, spread: float = 0.35,
-        budget: float = 0.005, futile: int = 2, seed: int = 0,
+        futile: int = 2, seed: int = 0,
     ) -> None:
         self.first = first
         self.half_life = half_life
         self.burst = burst
         self.z = z
         self.spread = spread
-        self.budget = budget
         self.futile = futile
         self.arms = {True: ArmRate(), False: ArmRate()}
         self.random = random.Random(seed)  # the draws: timings vary from run to run anyway, never the tokens
-        self.elapsed = 0.0  # seconds of every step observed
-        self.spent = 0.0  # what the steps of the worse arm were charged (seconds)
         self.tried: bool | None = None  # the arm of the running burst
         self.left = 0  # steps of the running burst still to run
-        self.trying_worse = False  # the running burst is of the arm that was behind (or unmeasured)
         self.futile_steps = 0  # steps of the running burst that could not have earned
         self.last_futile = {True: False, False: False}  # each arm's last burst ended for its futile steps
 
@@ -332,8 +325,6 @@ class RateChooser:
         return (variance / steps) ** 0.5 / (sums.seconds / sums.weight)
 
     def _start(self, arm: bool) -> bool:
-        other = self.rate(not arm)
-        self.trying_worse = other is not None and (not self.arms[arm].count or self.rate(arm) < other)
         self.tried, self.left, self.futile_steps = arm, self.burst, 0
         return arm
 
@@ -344,18 +335,14 @@ class RateChooser:
         for arm in (self.first, not self.first):  # each arm measured first, for a burst
             if not self.arms[arm].count:
                 return self._start(arm)
-        best = self.rate(True) >= self.rate(False)
         draws = {arm: self.random.gauss(self.rate(arm), self.error(arm)) for arm in (True, False)}
-        if draws[not best] > draws[best] and self.spent <= self.budget * self.elapsed:
-            return self._start(not best)
-        return self._start(best)
+        return self._start(draws[True] >= draws[False])
 
     def observe(self, arm: bool, tokens: float, seconds: float, *, futile: bool = False) -> None:
-        """A step of ``arm`` emitted ``tokens`` in ``seconds``
-        (``futile``: it could not have earned more than a step of the other arm)."""
+        """A step of ``arm`` emitted ``tokens`` in ``seconds`` (``futile``: it could not
+        have earned more than a step of the other arm)."""
         if seconds <= 0:
             return
-        self.elapsed += seconds
         factor = 2.0 ** (-seconds / self.half_life)
         for sums in self.arms.values():
             sums.decay(factor)
@@ -364,34 +351,18 @@ class RateChooser:
             return
         self.left -= 1
         self.futile_steps += futile
-        if self.trying_worse:
-            self.spent += seconds * self._surely_behind(arm)
         ended_futile = self.futile_steps >= (1 if self.last_futile[arm] else self.futile)
         if ended_futile or (self.burst - self.left >= 2 and self._behind(arm)):
             self.left = 0
         if self.left == 0:
             self.last_futile[arm], self.tried = ended_futile, None
 
-    def _gap(self, arm: bool) -> tuple[float, float]:
-        """How far ``arm``'s rate is behind the other's, and that gap's standard error."""
-        return self.rate(not arm) - self.rate(arm), (self.error(arm) ** 2 + self.error(not arm) ** 2) ** 0.5
-
-    def _surely_behind(self, arm: bool) -> float:
-        """How far ``arm``'s rate is behind the other's, less ``z`` standard errors of the
-        gap, as a share of the other's (0: not surely behind): what a step of it is charged.
-        One step's tokens are a draw: charging what each step realised would run the
-        account into debt on a few unlucky steps of an arm as good as the other."""
-        if not self.arms[not arm].count:
-            return 0.0
-        gap, error = self._gap(arm)
-        return max(0.0, (gap - self.z * error) / self.rate(not arm))
-
     def _behind(self, arm: bool) -> bool:
         """``arm`` is ``z`` standard errors behind the other."""
         if not self.arms[not arm].count:
             return False
-        gap, error = self._gap(arm)
-        return gap > self.z * error
+        gap = self.rate(not arm) - self.rate(arm)
+        return gap > self.z * (self.error(arm) ** 2 + self.error(not arm) ** 2) ** 0.5
 
 
 # -- the policy the decoding loop asks -------------------------------------------------
