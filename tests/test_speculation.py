@@ -401,24 +401,25 @@ def test_the_guard_ends_a_trial_after_two_steps_whose_tree_kept_no_proposed_node
         assert speculator.speculating.left == left  # ended early / the burst's fourth step to come
 
 
-def test_the_guard_and_the_drafters_gate_judge_speculative_steps_without_the_catch_up():
+def test_the_guard_judges_speculative_steps_without_the_catch_up_or_the_view_and_the_gate_without_the_catch_up():
     """What the drafter's proposal spent catching up on the plain steps' text is a cost
-    of switching to speculation: the guard's rate of speculative steps and the drafter's
-    gate leave it out (the step's tokens and the rest of its time count as ever)."""
+    of switching to speculation, and keeping the drafting view one of the pass's that
+    the pass chooser leaves out: the guard's rate of speculative steps leaves both out,
+    the drafter's gate the catch-up (the step's tokens and the rest of its time count)."""
     tree = DraftTree.root_only(1)
     tree.add_branch([7], parent=0)
     facts = StepFacts(tree=tree, verdict=Verdict(accepted=[1], bonus=2), context=64, forward_seconds=0.01,
                       step_seconds=0.05, proposing_seconds={DRAFTER: 0.03}, drafting_pass=None, view_seconds=0.0,
                       emitted=2)
     rates, earned = [], []
-    for catch_up in (0.0, 0.02):
+    for catch_up, view in ((0.0, 0.0), (0.02, 0.0), (0.02, 0.4)):
         speculator = speculator_past_its_plain_burst()
         assert speculator.proposers() == (DRAFTER, RETRIEVER)
-        speculator.learn(attrs.evolve(facts, step_seconds=0.05 + catch_up,
+        speculator.learn(attrs.evolve(facts, step_seconds=0.05 + catch_up + view, view_seconds=view,
                                       proposing_seconds={DRAFTER: 0.03 + catch_up}, catch_up_seconds=catch_up))
         rates.append(speculator.speculating.rate(True))
         earned.append(speculator.gates[DRAFTER].recent[-1])
-    assert rates[0] == pytest.approx(2 / 0.05) and rates[1] == pytest.approx(rates[0])
+    assert rates[0] == pytest.approx(2 / 0.05) and rates[1] == pytest.approx(rates[0]) and rates[2] == pytest.approx(rates[0])
     assert earned[1] == pytest.approx(earned[0])
 
 

@@ -389,7 +389,7 @@ class StepFacts:
     whole step; proposing_seconds: what each source that proposed took (the sources
     that proposed are its keys); drafting_pass: whether a pass of the root over a
     partial view ran (None: none was considered); view_seconds: what keeping the
-    drafting view took (left out of what a pass costs); emitted: tokens emitted;
+    drafting view took (left out of what a pass and a speculative step cost); emitted: tokens emitted;
     catch_up_seconds: what the drafter's proposal spent on the text of earlier plain
     steps (part of proposing and step seconds: a cost of switching, not of speculating)."""
 
@@ -511,7 +511,11 @@ class AutoSpeculator(Speculator):
             # the steps that speculate are judged without it. Held against them, it made
             # the first step of each of the guard's trials of 4 steps 2-17 ms dearer than
             # a steady ~2 ms (3-129 pairs; ``eagle``, 2K prompt, greedy, a 2-core AMD
-            # EPYC Zen 4, whose speculative steps take ~27-30 ms).
-            self.speculating.observe(self._speculates, facts.emitted, facts.step_seconds - facts.catch_up_seconds,
-                                     futile=futile)
+            # EPYC Zen 4, whose speculative steps take ~27-30 ms). So is keeping the
+            # drafting view, as the pass chooser judges passes: its first refresh at 32K
+            # positions (~0.43 s on that CPU) made the first speculative step of a
+            # ``tokenswift`` run take 506 ms against ~43 for a plain one, and the guard
+            # kept plain steps for the rest of a 256-token run (0.965x ``ar``).
+            seconds = facts.step_seconds - facts.catch_up_seconds - facts.view_seconds
+            self.speculating.observe(self._speculates, facts.emitted, seconds, futile=futile)
             self._speculates = None
