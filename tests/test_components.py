@@ -201,6 +201,7 @@ def test_drafting_never_writes_into_the_committed_kv(cache):
         "preset": "tokenswift",
         "cache": {"name": cache} if cache == "full" else {"name": cache, "budget": 12, "sink": 2, "recent": 4},
         "sampling": {"greedy": True},
+        "speculation": {"plain_guard": False},  # the guard measures plain steps first: the first step would not draft
     }
     pipe = Pipeline.from_spec(spec, looping_model())
     tokens = list(range(1, 30))

@@ -34,6 +34,8 @@ SPEC = {
     "cache": {"budget": 6, "sink": 1, "recent": 2},
     "penalty": {"value": 1.5, "window": 2},
     "sampling": {"temperature": 1.0},
+    # 4 new tokens a run: the plain guard would spend them measuring plain steps first
+    "speculation": {"plain_guard": False},
 }
 
 
