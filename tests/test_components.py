@@ -195,6 +195,25 @@ def test_compact_view_matches_an_index_gather():
     assert torch.equal(keys, store.keys[1][:, :, positions]) and torch.equal(values, store.values[1][:, :, positions])
 
 
+def test_compact_view_loads_each_kv_heads_own_positions():
+    model = tiny_model_for("llama-gqa")
+    pipe, state = prefilled(model, list(range(20)))
+    store = pipe.runner.store
+    layers, heads = store.num_layers, store.kv_heads
+    generator = torch.Generator().manual_seed(0)
+    indices = torch.stack([torch.stack([torch.randperm(19, generator=generator)[:5].sort().values for _ in range(heads)])
+                           for _ in range(layers)])  # [layers, kv_heads, 5]: each head its own positions
+    view = CompactView(store, 8)
+    view.load(store, indices)
+    view.append(store, 15, 18)
+    for layer in range(layers):
+        keys, values = view.contents(layer)
+        for head in range(heads):
+            positions = torch.cat([indices[layer, head], torch.tensor([15, 16, 17])])
+            assert torch.equal(keys[0, head], store.keys[layer][0, head, positions])
+            assert torch.equal(values[0, head], store.values[layer][0, head, positions])
+
+
 @pytest.mark.parametrize("cache", ["full", "dynamic", "streaming"])
 def test_drafting_never_writes_into_the_committed_kv(cache):
     spec = {

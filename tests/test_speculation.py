@@ -324,7 +324,8 @@ def with_costs(pipe, per_node_ms):
 def test_timings_change_the_trees_never_the_tokens(sampling):
     model = looping_model("llama-gqa", "float32")
     spec = {"preset": "tokenswift", "drafter": {"heads": "random"}, "cache": {"budget": 12, "sink": 2, "recent": 3},
-            "retriever": {"top_k": 5}, "sampling": sampling}
+            "retriever": {"top_k": 5}, "sampling": sampling,
+            "speculation": {"pass_gain": 1000}}  # passes tried whatever they cost (the made-up costs are flat in context)
     prompt = [1, 2, 3, 4, 5, 6, 1, 2, 3]
     cheap = with_costs(Pipeline.from_spec(spec, model), 0.0).generate(prompt, 40, seed=3, ignore_eos=True)
     dear = with_costs(Pipeline.from_spec(spec, model), 1000.0).generate(prompt, 40, seed=3, ignore_eos=True)
@@ -457,11 +458,44 @@ def test_auto_trees_are_lossless_and_report_their_decisions():
 def test_no_drafting_pass_over_the_whole_context_and_passes_over_a_partial_view():
     passes = {}
     for budget in (512, 12):  # the whole context fits / it does not
-        spec = {"preset": "tokenswift", "drafter": {"heads": "random"}, "cache": {"budget": budget, "sink": 2, "recent": 3}}
+        spec = {"preset": "tokenswift", "drafter": {"heads": "random"}, "cache": {"budget": budget, "sink": 2, "recent": 3},
+                "speculation": {"pass_gain": 1000}}
         pipe = with_costs(Pipeline.from_spec(spec, tiny_model_for("llama-gqa")), 0.0)
         records = list(pipe.steps(list(range(1, 20)), 24, seed=0, ignore_eos=True))
         passes[budget] = sum(r.drafting_pass for r in records)
     assert passes[512] == 0 and passes[12] > 0
+
+
+def context_calibration(per_position_ms: float) -> Calibration:
+    """A made-up machine whose one-token forward costs 1 ms plus ``per_position_ms`` a
+    position of context (nodes cost nothing more)."""
+    nodes = (1, 2, 4, 8, 16, 32, 64)
+    return Calibration(
+        key="test", machine="test", torch="test", device="cpu", dtype="float32", threads=1,
+        packed_from_rows=None, packed_lm_head=False, contexts=(0, 100), nodes=nodes,
+        forward_ms=((1.0,) * len(nodes), (1.0 + 100 * per_position_ms,) * len(nodes)), score_ms=0.5,
+    )
+
+
+@pytest.mark.parametrize("per_position_ms", [0.0, 0.01, 5.0])
+def test_a_drafting_pass_is_tried_only_where_it_can_pay(per_position_ms):
+    """A pass over the 13-position view costs a one-token forward over it: where that
+    is more than ``pass_gain`` (0.5) tokens' worth at the context (a forward over 18+
+    positions) the pass chooser never tries one, and the view is never refreshed;
+    where the context's forward costs far more than the view's, passes are tried (and
+    pay here: nodes are free). The tokens are the same either way."""
+    spec = {"preset": "tokenswift", "drafter": {"heads": "random"}, "cache": {"budget": 12, "sink": 2, "recent": 3},
+            "sampling": {"greedy": True}, "speculation": {"plain_guard": False}}
+    pipe = Pipeline.from_spec(spec, tiny_model_for("llama-gqa"))
+    pipe._costs = CostModel(context_calibration(per_position_ms))
+    records = list(pipe.steps(list(range(1, 20)), 24, seed=0, ignore_eos=True))
+    passes = sum(r.drafting_pass for r in records)
+    if per_position_ms < 1.0:  # 13 positions cost more than half of 18-43
+        assert passes == 0 and pipe.cache_policy.refreshes == 0
+    else:  # 1 + 65 ms against half of 91-216 ms
+        assert passes > 0 and pipe.cache_policy.refreshes > 0
+    ar = Pipeline.from_spec({"preset": "ar", "sampling": {"greedy": True}}, tiny_model_for("llama-gqa"))
+    assert [t for r in records for t in r.emitted] == ar.generate(list(range(1, 20)), 24, seed=0, ignore_eos=True).tokens
 
 
 def test_the_drafting_view_is_kept_only_at_steps_whose_pass_runs(monkeypatch):
@@ -470,7 +504,8 @@ def test_the_drafting_view_is_kept_only_at_steps_whose_pass_runs(monkeypatch):
     refreshes no more than those need; one that cannot say has it called at every
     step that asks for a pass, as before. The runs emit the same tokens either way."""
     spec = {"preset": "tokenswift", "drafter": {"heads": "random"}, "cache": {"budget": 12, "sink": 2, "recent": 3},
-            "sampling": {"greedy": True}, "speculation": {"plain_guard": False}}  # every step may speculate
+            "sampling": {"greedy": True},
+            "speculation": {"plain_guard": False, "pass_gain": 1000}}  # every step may speculate, and pass
     runs = {}
     for policy_can_say in (True, False):
         pipe = with_costs(Pipeline.from_spec(spec, tiny_model_for("llama-gqa")), 0.0)
@@ -506,6 +541,8 @@ def test_fixed_trees_verify_every_candidate_with_a_pass_each_step():
     [({"tree": "dynamic"}, r"speculation.tree must be one of \['auto', 'fixed'\], got 'dynamic'"),
      ({"max_nodes": -1}, r"speculation.max_nodes must be an integer >= 0, got -1"),
      ({"plain_guard": "yes"}, r"speculation.plain_guard must be true or false, got 'yes'"),
+     ({"pass_gain": -0.5}, r"speculation.pass_gain must be a number >= 0, got -0.5"),
+     ({"pass_gain": "high"}, r"speculation.pass_gain must be a number >= 0, got 'high'"),
      ({"nodes": 3}, r"\[speculation\] has unknown option\(s\) \['nodes'\]")],
 )
 def test_bad_speculation_settings(speculation, message):

@@ -107,7 +107,9 @@ class _RootPassRequest:
         if kept:  # only keeping the view tells: kept at every step
             view = self._keep_view()
             partial = view is not None
-        self.ran = setup.speculator.run_pass(partial_view=partial)
+        committed = setup.runner.committed_length
+        positions = setup.cache_policy.view_positions(committed) or None  # None: the policy does not say
+        self.ran = setup.speculator.run_pass(partial_view=partial, view=positions, context=committed)
         if self.ran and partial and not kept:
             view = self._keep_view()
         if self.ran:

@@ -301,7 +301,8 @@ class Pipeline:
         if costs is not None:
             costs.use_compile_calibration(decision.calibration)
         self.runner.allocate(self.kv_capacity(prompt_tokens, max_new_tokens))
-        speculator = (AutoSpeculator(costs, speculation.max_nodes, plain_guard=speculation.plain_guard) if costs is not None
+        speculator = (AutoSpeculator(costs, speculation.max_nodes, plain_guard=speculation.plain_guard,
+                                      pass_gain=speculation.pass_gain) if costs is not None
                       else Speculator(speculation.max_nodes))
         return self._setup(speculator, ignore_eos=ignore_eos, compiled=decision.compiled)
 

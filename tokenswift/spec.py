@@ -168,11 +168,16 @@ class SpeculationSpec:
     ``plain_guard`` (auto trees): steps that speculate are also compared with plain
     steps by the tokens per second each realises, and the faster kept (the cost model
     prices forwards and proposals, not everything a speculative step takes); off, the
-    cost model alone decides (for ablations of its choices)."""
+    cost model alone decides (for ablations of its choices). ``pass_gain`` (auto trees):
+    the most tokens a drafting pass over a partial view is taken to add to a step; a
+    pass that costs more than that many tokens at the context (one-token forwards, as
+    the cost model prices them) is never tried (a large value leaves every pass to the
+    pass chooser's measurements; 0: no passes)."""
 
     tree: str = attrs.field(default="auto")
     max_nodes: int = attrs.field(default=64)
     plain_guard: bool = attrs.field(default=True)
+    pass_gain: float = attrs.field(default=0.5)
 
     @tree.validator
     def _check_tree(self, _attribute, value):
@@ -188,6 +193,11 @@ class SpeculationSpec:
     def _check_plain_guard(self, _attribute, value):
         if not isinstance(value, bool):
             raise SpecError(f"speculation.plain_guard must be true or false, got {value!r}")
+
+    @pass_gain.validator
+    def _check_pass_gain(self, _attribute, value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+            raise SpecError(f"speculation.pass_gain must be a number >= 0, got {value!r}")
 
     @classmethod
     def from_value(cls, value: Any) -> SpeculationSpec:

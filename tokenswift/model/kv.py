@@ -211,11 +211,26 @@ class IndexView(KVView):
 
     def gather(self, store: KVStore, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The viewed keys and values of one layer: [1, kv_heads, S, head_dim] each (copies)."""
-        keys, values = store.keys[layer], store.values[layer]
-        if self.indices.dim() == 1:
-            return keys.index_select(2, self.indices), values.index_select(2, self.indices)
-        index = self.indices[layer][None, :, :, None].expand(1, -1, -1, store.head_dim)
-        return keys.gather(2, index), values.gather(2, index)
+        shape = (1, store.kv_heads, self.size, store.head_dim)
+        like = store.keys[layer]
+        keys = torch.empty(shape, dtype=like.dtype, device=like.device)
+        values = torch.empty(shape, dtype=like.dtype, device=like.device)
+        self.gather_into(store, layer, keys, values)
+        return keys, values
+
+    def gather_into(self, store: KVStore, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write the viewed keys and values of one layer into ``keys``, ``values``
+        ([1, kv_heads, >= S, head_dim]; their first S positions).
+
+        Row copies per KV head (``index_select`` of whole 64-value rows), not
+        ``Tensor.gather`` with an index expanded over the head dimension, which
+        indexes every element: a 4,096-position view of 30 layers took 53-68 ms to
+        gather that way, 6 ms this way (a 2-core AMD EPYC Zen 4)."""
+        size = self.size
+        for h in range(store.kv_heads):
+            index = self.indices if self.indices.dim() == 1 else self.indices[layer, h]
+            torch.index_select(store.keys[layer][0, h], 0, index, out=keys[0, h, :size])
+            torch.index_select(store.values[layer][0, h], 0, index, out=values[0, h, :size])
 
     def join(self, store, layer, keys, values):
         view_keys, view_values = self.gather(store, layer)
@@ -249,9 +264,7 @@ class CompactView(KVView):
         if view.size > self.capacity:
             raise ValueError(f"{view.size} positions do not fit a view of capacity {self.capacity}")
         for layer in range(store.num_layers):
-            keys, values = view.gather(store, layer)
-            self.keys[layer][:, :, : view.size] = keys
-            self.values[layer][:, :, : view.size] = values
+            view.gather_into(store, layer, self.keys[layer], self.values[layer])
         self._size = view.size
 
     def append(self, store: KVStore, start: int, end: int) -> None:
