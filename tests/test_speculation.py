@@ -480,12 +480,12 @@ def context_calibration(per_position_ms: float) -> Calibration:
 @pytest.mark.parametrize("per_position_ms", [0.0, 0.01, 5.0])
 def test_a_drafting_pass_is_tried_only_where_it_can_pay(per_position_ms):
     """A pass over the 13-position view costs a one-token forward over it: where that
-    is more than ``pass_gain`` (0.5) tokens' worth at the context (a forward over 18+
+    is more than ``pass_gain`` (here 0.5) tokens' worth at the context (a forward over 18+
     positions) the pass chooser never tries one, and the view is never refreshed;
     where the context's forward costs far more than the view's, passes are tried (and
     pay here: nodes are free). The tokens are the same either way."""
     spec = {"preset": "tokenswift", "drafter": {"heads": "random"}, "cache": {"budget": 12, "sink": 2, "recent": 3},
-            "sampling": {"greedy": True}, "speculation": {"plain_guard": False}}
+            "sampling": {"greedy": True}, "speculation": {"plain_guard": False, "pass_gain": 0.5}}
     pipe = Pipeline.from_spec(spec, tiny_model_for("llama-gqa"))
     pipe._costs = CostModel(context_calibration(per_position_ms))
     records = list(pipe.steps(list(range(1, 20)), 24, seed=0, ignore_eos=True))

@@ -177,7 +177,7 @@ class SpeculationSpec:
     tree: str = attrs.field(default="auto")
     max_nodes: int = attrs.field(default=64)
     plain_guard: bool = attrs.field(default=True)
-    pass_gain: float = attrs.field(default=0.5)
+    pass_gain: float = attrs.field(default=0.3)
 
     @tree.validator
     def _check_tree(self, _attribute, value):
