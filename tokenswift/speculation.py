@@ -36,6 +36,7 @@ import attrs
 
 from tokenswift.costs import CostModel
 from tokenswift.interfaces import Verdict
+from tokenswift.spec import PASS_GAIN
 from tokenswift.tree import DRAFTER, RETRIEVER, DraftTree
 
 
@@ -406,18 +407,6 @@ class StepFacts:
     catch_up_seconds: float = 0.0  # the drafter's catch-up on plain steps' text (Drafter.catch_up_seconds)
 
 
-# The most tokens a drafting pass is taken to add to a step (over the same step drafted
-# without it), by default (``speculation.pass_gain``). The pass makes depth 1 the target's
-# own choice over the view: greedy, depth-1 agreement rises from the layer's ~55% to
-# ~70-90%, so with chains accepted ~45% a level deeper a step gains at most
-# (0.8 - 0.55) / (1 - 0.45) ~ 0.45 token. Measured with auto trees (2-core AMD EPYC Zen 4):
-# at 8K, greedy, steps with a pass emitted 1.83 tokens against 1.37-1.57 without; at 32K
-# with 0.5 passes ran (0.28 a step greedy) and the preset was no faster than without them
-# (1.036x against 1.048x ``ar`` greedy, 0.949x against 0.969x sampling); on a Sapphire
-# Rapids at 32K, four runs of five were slower with passes than ``eagle`` without.
-PASS_GAIN = 0.3
-
-
 class Speculator:
     """Fixed trees: every proposer proposes every step, every candidate is verified (the
     first ``max_nodes`` of them, in the order proposed: the drafter's best first), a
@@ -499,7 +488,7 @@ class AutoSpeculator(Speculator):
     def pass_can_pay(self, view: int, context: int) -> bool:
         """Whether a pass over ``view`` positions can pay at ``context``: it costs a
         one-token forward over the view, and it can only pay if it costs less than
-        what ``pass_gain`` tokens (:data:`PASS_GAIN` by default) cost at the context,
+        what ``pass_gain`` tokens (``spec.PASS_GAIN`` by default) cost at the context,
         priced as plain one-token forwards there (a step that pays undercuts them: the
         bound errs toward trying). Where it cannot, the pass chooser never tries one:
         on a 2-core AMD EPYC Zen 4 at 8K positions a pass over the 4,096-position view
