@@ -164,3 +164,16 @@ def test_contexts_sweep_compiles_tree_sizes_before_the_timed_turns(monkeypatch, 
         heads="random", overrides={**FIXED_TREE, **({"model": {"compile": True}} if compiled else {})}, bandwidth=1e10,
     )
     assert asked == [trees]
+
+
+@pytest.mark.parametrize("preset, options", [("eagle", {"depth": 2, "width": 1}), ("medusa", {"tree": [2, 1]})])
+def test_a_benchmarks_drafter_overrides_keep_the_callers_options(preset, options):
+    """An ablation's drafter options (``variant_turns.py``: a fixed chain of depth 2) reach the
+    drafter beside the options a benchmark adds (heads, weights); they were once replaced."""
+    from tokenswift.tools.bench import preset_pipeline
+
+    pipe = preset_pipeline(preset, looping_model(dtype="float32"), word_tokenizer(), heads="random",
+                           overrides={"drafter": dict(options)})
+    for name, value in options.items():
+        assert getattr(pipe.drafter.options, name) == value
+    assert pipe.drafter.options.heads == "random" if preset == "medusa" else pipe.drafter.options.weights == "random"

@@ -58,8 +58,9 @@ def preset_pipeline(preset: str, model, tokenizer, *, heads: str = "auto", overr
     from tokenswift import Pipeline
 
     spec = dict(overrides or {})
-    if drafter_overrides(preset, heads):
-        spec["drafter"] = drafter_overrides(preset, heads)
+    given = drafter_overrides(preset, heads)
+    if given:  # the caller's drafter options win (an ablation's depth or tree must not be dropped)
+        spec["drafter"] = {**given, **spec.get("drafter", {})}
     return Pipeline.from_spec(preset, model, tokenizer, overrides=spec)
 
 
