@@ -352,18 +352,29 @@ def test_a_weight_changed_in_place_is_multiplied_as_it_is_now():
 @needs_kernel
 def test_a_new_weight_where_a_freed_one_lived_is_not_mistaken_for_it():
     """A packed copy is keyed by the weight's address: a weight allocated where a freed
-    one lived (the allocator reuses the block) is multiplied as itself."""
+    one lived is multiplied as itself. The address is reused on purpose (each weight a
+    new tensor over one buffer), not left to the allocator's luck."""
     tolerance = LINEAR_TOLERANCE[torch.bfloat16]
     x = torch.randn(2, 576, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    addresses = []
-    for seed in range(12):
-        weight = torch.empty(100, 576, dtype=torch.bfloat16)
+    block = bytearray(100 * 576 * 2)  # one block of memory, every weight's home in turn
+    addresses = set()
+    for seed in range(4):
+        weight = torch.frombuffer(block, dtype=torch.bfloat16).view(100, 576)
         weight.copy_(torch.randn(100, 576, generator=torch.Generator().manual_seed(seed)) * 576**-0.5)
-        addresses.append(weight.data_ptr())
+        addresses.add(weight.data_ptr())
         got = kernels.few_rows_linear(x, weight)
         torch.testing.assert_close(got.double(), linear_reference(x, weight), rtol=tolerance, atol=tolerance)
         del weight, got
-    assert len(set(addresses)) < len(addresses), "the allocator never reused a block: nothing was tested"
+    assert len(addresses) == 1  # the same address, so a stale copy would have been found
+    # and while the first weight still lives, a second tensor over the same bytes
+    first = torch.frombuffer(block, dtype=torch.bfloat16).view(100, 576)
+    first.copy_(torch.randn(100, 576, generator=torch.Generator().manual_seed(8)) * 576**-0.5)
+    kernels.few_rows_linear(x, first)  # packed at the version the second will have too
+    second = torch.frombuffer(block, dtype=torch.bfloat16).view(100, 576)
+    second.copy_(torch.randn(100, 576, generator=torch.Generator().manual_seed(9)) * 576**-0.5)
+    torch.testing.assert_close(
+        kernels.few_rows_linear(x, second).double(), linear_reference(x, second), rtol=tolerance, atol=tolerance
+    )
 
 
 @pytest.mark.skipif(not kernels.packs_weights(), reason="this machine's kernels multiply the weights as they are")
