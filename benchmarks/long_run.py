@@ -37,6 +37,7 @@ from tokenswift import Pipeline, hookimpl
 from tokenswift.memory import parameter_bytes, peak_rss_mib
 from tokenswift.checkpoint import Checkpoint
 from tokenswift.errors import SpecError, TokenswiftError
+from tokenswift.health import EMPTY_SUMMARY
 from tokenswift.prompts import prompt_ids
 from tokenswift.spec import parse_rope
 
@@ -72,6 +73,13 @@ def session_marks(device) -> dict:
     return {"machine": machine_name(device), "commit": commit}
 
 
+def health_fields(health) -> dict:
+    """distinct-1..4 and the model's own NLL over the last 1,024 tokens (None: none yet)."""
+    summary = health.summary() if health is not None else dict(EMPTY_SUMMARY)
+    summary.pop("self_nll")  # the run's mean since this session's start: the window's says more per block
+    return summary
+
+
 class BlockRecorder:
     """A pluggy observer: one record per ``block`` new tokens."""
 
@@ -81,6 +89,7 @@ class BlockRecorder:
         self.blocks: list[dict] = []
         self.mark = None  # (generated, seconds) at the last block end
         self.propose_seconds = 0.0  # drafting-stage seconds since the last block end
+        self.steps = self.accepted = self.retrieved = self.passes = 0  # since the last block end
 
     @hookimpl
     def tokenswift_step_end(self, pipeline, step):
@@ -88,6 +97,10 @@ class BlockRecorder:
         if self.mark is None:
             self.mark = (step.generated - len(step.emitted), 0.0)
         self.propose_seconds += step.stage_seconds["propose"]
+        self.steps += 1
+        self.accepted += step.accepted
+        self.retrieved += step.retrieved
+        self.passes += step.drafting_pass
         generated, seconds = self.mark
         if step.generated - generated < self.block and step.generated < self.bar.total:
             return
@@ -98,12 +111,24 @@ class BlockRecorder:
                 "ms_per_token": round(1000 * (step.seconds - seconds) / tokens, 2),
                 "draft_ms_per_token": round(1000 * self.propose_seconds / tokens, 2),
                 "rss_mib": round(resident_mib(), 1),
+                # the mechanism: tokens a step and where the accepted ones came from
+                "tokens_per_step": round(tokens / self.steps, 3),
+                "drafter_tokens_per_step": round((self.accepted - self.retrieved) / self.steps, 3),
+                "retriever_tokens_per_step": round(self.retrieved / self.steps, 3),
+                "passes_per_step": round(self.passes / self.steps, 3),
+                # what the text has become (tokenswift.health): over the last 1,024 tokens
+                **health_fields(step.health),
                 **self.marks,
             }
         )
         self.mark = (step.generated, step.seconds)
         self.propose_seconds = 0.0
-        self.bar.set_postfix({"ms/tok": self.blocks[-1]["ms_per_token"], "RSS MiB": self.blocks[-1]["rss_mib"]})
+        self.steps = self.accepted = self.retrieved = self.passes = 0
+        last = self.blocks[-1]
+        self.bar.set_postfix({
+            "ms/tok": last["ms_per_token"], "tok/step": last["tokens_per_step"], "distinct-4": last["distinct_4"],
+            "NLL": last["recent_self_nll"], "RSS MiB": last["rss_mib"],
+        })
         self.on_block(self.blocks)
 
 
@@ -115,7 +140,7 @@ def plot(record: dict, path: Path) -> None:
 
     blocks = record["blocks"]
     x = [b["generated"] / 1000 for b in blocks]
-    fig, (time_ax, mem_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (time_ax, mem_ax, text_ax) = plt.subplots(1, 3, figsize=(16, 4))
     time_ax.plot(x, [b["ms_per_token"] for b in blocks], marker=".", label="whole step")
     time_ax.plot(x, [b["draft_ms_per_token"] for b in blocks], marker=".", label="drafting stage")
     samples = record.get("ar", [])
@@ -130,6 +155,19 @@ def plot(record: dict, path: Path) -> None:
     mem_ax.set(xlabel="generated tokens (K)", ylabel="MiB", title="resident memory")
     mem_ax.set_ylim(bottom=0)
     mem_ax.legend()
+    healthy = [b for b in blocks if b.get("distinct_4") is not None]
+    hx = [b["generated"] / 1000 for b in healthy]
+    text_ax.plot(hx, [b["distinct_4"] for b in healthy], marker=".", color="tab:green", label="distinct-4")
+    text_ax.plot(hx, [b["tokens_per_step"] / 4 for b in healthy], marker=".", color="tab:purple",
+                 label="tokens per step / 4")
+    text_ax.set(xlabel="generated tokens (K)", ylabel="distinct-4 (last 1,024 tokens)", title="the text and the mechanism")
+    text_ax.set_ylim(0, 1.05)
+    nll_ax = text_ax.twinx()
+    nll_ax.plot(hx, [b["recent_self_nll"] for b in healthy], marker=".", color="tab:red", label="model's own NLL")
+    nll_ax.set_ylabel("NLL per token (nats)")
+    nll_ax.set_ylim(bottom=0)
+    handles = text_ax.get_legend_handles_labels(), nll_ax.get_legend_handles_labels()
+    text_ax.legend(handles[0][0] + handles[1][0], handles[0][1] + handles[1][1], loc="lower left", fontsize=8)
     fig.suptitle(record["title"], fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -156,12 +194,15 @@ def markdown(record: dict) -> str:
             "",
         ]
     lines += [
-        "| generated | ms/token | drafting ms/token | resident MiB | machine, commit |",
-        "|---|---|---|---|---|",
+        "| generated | ms/token | drafting ms/token | tokens/step | from drafter / retriever | passes/step "
+        "| distinct-4 | NLL | resident MiB | machine, commit |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {b['generated']} | {b['ms_per_token']} | {b['draft_ms_per_token']} | {b['rss_mib']} | "
-        f"{b.get('machine', '?')}, {b.get('commit', '?')} |"
+        f"| {b['generated']} | {b['ms_per_token']} | {b['draft_ms_per_token']} | {b.get('tokens_per_step', '-')} | "
+        f"{b.get('drafter_tokens_per_step', '-')} / {b.get('retriever_tokens_per_step', '-')} | "
+        f"{b.get('passes_per_step', '-')} | {b.get('distinct_4', '-')} | {b.get('recent_self_nll', '-')} | "
+        f"{b['rss_mib']} | {b.get('machine', '?')}, {b.get('commit', '?')} |"
         for b in blocks
     ]
     samples = record.get("ar", [])

@@ -24,6 +24,12 @@ def test_long_run_records_every_block_within_the_memory_bound(model_dir, tmp_pat
     assert len(ends) == 3 and ends[-1] == 120 and all(40 * (i + 1) <= end < 40 * (i + 1) + 8 for i, end in enumerate(ends))
     assert all(0 < b["draft_ms_per_token"] < b["ms_per_token"] for b in record["blocks"])
     assert all(b["machine"] and "commit" in b for b in record["blocks"])  # a resumed run may span machines
+    # each block shows the mechanism and the text: tokens a step by source, distinct-n and the self-NLL
+    for b in record["blocks"]:
+        assert b["tokens_per_step"] >= 1 and 0 <= b["drafter_tokens_per_step"] + b["retriever_tokens_per_step"] < b["tokens_per_step"]
+        assert all(0 < b[f"distinct_{n}"] <= 1 for n in (1, 2, 3, 4))
+        assert b["recent_self_nll"] > 0
+    assert "distinct-4" in (out / "long_run.md").read_text()
     assert record["peak_rss_mib"] <= record["bound_mib"]
     assert record["summary"]["new_tokens"] == 120 and "rope yarn:4" in record["title"]
     assert (out / "long_run.png").stat().st_size > 10_000

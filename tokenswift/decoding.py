@@ -36,6 +36,7 @@ import torch
 
 from tokenswift.checkpoint import Checkpoint
 from tokenswift.errors import NonFiniteScoresError
+from tokenswift.health import LOOP_THRESHOLD, TextHealthMonitor
 from tokenswift.interfaces import (
     CachePolicy, Component, DecodeState, Drafter, DraftInputs, Retriever, RootPass, StepOutcome, Verdict, Verifier,
 )
@@ -150,6 +151,7 @@ class Generation:
         ignore_eos: bool,
         done_tokens: list[int] | None = None,
         finish_reason: str | None = None,
+        loop_threshold: float = LOOP_THRESHOLD,
     ) -> None:
         self.setup = setup
         self.prompt_ids = list(prompt_ids)
@@ -160,6 +162,9 @@ class Generation:
         self.sampler = make_sampler(setup.sampling, seed=seed, generator=generator)
         self.state = DecodeState(tokens=self.prompt_ids + list(done_tokens or []), prompt_length=len(self.prompt_ids))
         self.finish_reason = finish_reason or "length"
+        # what the text has become: distinct-n and the model's own NLL of what it emitted
+        self.health = TextHealthMonitor(loop_threshold=loop_threshold)
+        self.health.prime(done_tokens or [])
         self.started = time.perf_counter()
         self.prefill_seconds = 0.0
         self.parent_hidden: torch.Tensor | None = None  # [hidden_size], gave the current root token
@@ -262,6 +267,9 @@ class Generation:
                 return
             clock.lap("verify")
             emitted, kept = self.commit(tree, verdict, output.hidden, output.features)
+            # each emitted token was drawn at the root or at the accepted node above it
+            nll = scores.nll([0, *verdict.accepted][: len(emitted)], emitted)
+            self.health.push(emitted, nll)
             clock.lap("commit")
             speculator.learn(StepFacts(
                 tree=tree, verdict=verdict, context=context, forward_seconds=clock.seconds["forward"],
@@ -286,6 +294,8 @@ class Generation:
                 predicted_tokens=None if choice is None else choice.expected_tokens,
                 predicted_seconds=None if choice is None else choice.seconds,
                 forward_seconds=clock.seconds["forward"],
+                nll=nll,
+                health=self.health.health(),
             )
 
     def propose(self) -> tuple[DraftTree, dict[int, float], _RootPassRequest]:

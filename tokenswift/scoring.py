@@ -157,3 +157,18 @@ class NodeScores:
                 )
             self._cache[node] = scores
         return scores
+
+    def nll(self, parents: Sequence[int], tokens: Sequence[int]) -> list[float]:
+        """The model's own negative log-likelihood (nats) of ``tokens[i]`` drawn at node
+        ``parents[i]``, from the raw logits (before the penalty and the warpers): the
+        rows the verifier computed, an LM-head row for any it did not."""
+        if not tokens:
+            return []
+        with torch.inference_mode():
+            missing = [node for node in dict.fromkeys(parents) if node not in self._logits]
+            if missing:
+                for row, logits in zip(missing, self.runner.logits(self.hidden[missing])):
+                    self._logits[row] = logits
+            rows = torch.stack([self._logits[node] for node in parents]).float()  # [k, vocab]
+            picked = rows.gather(1, torch.tensor(list(tokens), device=rows.device)[:, None])[:, 0]
+            return (torch.logsumexp(rows, dim=-1) - picked).tolist()

@@ -8,6 +8,8 @@ from typing import Any
 import attrs
 import torch
 
+from tokenswift.health import EMPTY_SUMMARY, TextHealth
+
 # propose: drafter and retriever, the tree chosen; forward: the verify forward;
 # verify: scoring the nodes the verifier visits and walking the tree; commit: the KV
 # keeps the accepted path, the tokens are appended, the components observe.
@@ -56,6 +58,8 @@ class StepRecord:
     predicted_tokens: float | None = None  # expected tokens of the chosen tree (None: a fixed tree)
     predicted_seconds: float | None = None  # its predicted forward + scoring time
     forward_seconds: float = 0.0  # the verify forward's measured time
+    nll: list[float] = attrs.field(factory=list)  # the model's own NLL of each emitted token (raw logits, nats)
+    health: TextHealth | None = None  # the text's health after this step (tokenswift.health)
 
 
 @attrs.frozen(kw_only=True)
@@ -84,6 +88,7 @@ class GenerationStats:
     forward_seconds: float = 0.0  # measured verify-forward seconds of those steps
     compiled: bool = False  # one-token forwards ran compiled (tokenswift.model.compiled)
     compile_seconds: float = 0.0  # what compiling took during this run (in `seconds`)
+    health: TextHealth | None = None  # the text's health at the end (None: no step ran)
 
     @property
     def decode_seconds(self) -> float:
@@ -122,6 +127,7 @@ class GenerationStats:
             "tokens_per_step": round(self.tokens_per_step, 3),
             "acceptance_rate": round(self.acceptance_rate, 3),
             "retriever_share": round(self.retriever_share, 3),
+            **(self.health.summary() if self.health is not None else EMPTY_SUMMARY),
             "compiled": self.compiled,
             "compile_seconds": round(self.compile_seconds, 2),
             "finish_reason": self.finish_reason,
@@ -151,9 +157,11 @@ class StatsCollector:
         self.predicted_tokens = self.predicted_seconds = self.forward_seconds = 0.0
         self.histogram: dict[int, int] = {}
         self.stage = dict.fromkeys(STAGES, 0.0)
+        self.health: TextHealth | None = None
 
     def __call__(self, record: StepRecord) -> None:
         self.steps += 1
+        self.health = record.health
         self.candidates += record.candidates
         self.passes += record.drafting_pass
         if record.predicted_tokens is not None:
@@ -198,4 +206,5 @@ class StatsCollector:
             forward_seconds=self.forward_seconds,
             compiled=compiled,
             compile_seconds=compile_seconds,
+            health=self.health,
         )
