@@ -1,7 +1,11 @@
 """The command line: a real run on a saved tiny model, and one clear line per bad input."""
 
 import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -382,3 +386,125 @@ def test_the_progress_bar_shows_one_tokens_per_second_figure(model_dir, tmp_path
     assert code == 0, err
     bar = [line for line in err.replace("\r", "\n").splitlines() if "8/8" in line][-1]
     assert len(re.findall(r"tok/s(?!tep)|s/tok", bar)) == 1 and "tok/step" in bar, bar
+
+
+# -- refused runs leave every file as it was (issue 55) ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def finished_run(model_dir, tmp_path_factory):
+    """A finished 8-token run's checkpoint (as JSON) and output text."""
+    out = tmp_path_factory.mktemp("finished") / "o.txt"
+    assert main(["generate", "--preset", "ar", "--model", str(model_dir), "--dtype", "float32", "--prompt", "the cat",
+                 "--max-new-tokens", "8", "--seed", "1", "--ignore-eos", "--quiet", "--out", str(out)]) == 0
+    return json.loads(out.with_name("o.txt.ckpt").read_text()), out.read_text()
+
+
+def _unfinished(data):
+    return {**data, "tokens": data["tokens"][:4], "finish_reason": "interrupted"}
+
+
+BAD_CHECKPOINTS = {
+    "not JSON": (lambda d: "{not json", "is not readable"),
+    "truncated": (lambda d: json.dumps(d)[: len(json.dumps(d)) // 2], "is not readable"),
+    "a JSON list": (lambda d: json.dumps([1, 2]), "is not a tokenswift checkpoint (tokenswift-checkpoint/2): a JSON list"),
+    "tokens are strings": (lambda d: json.dumps({**d, "tokens": ["a", "b"]}), "tokens must be a list of token ids"),
+    "an id outside the vocabulary, unfinished": (
+        lambda d: json.dumps({**_unfinished(d), "tokens": [1, 999999999]}),
+        "generated token ids [999999999] are outside the vocabulary [0, 64)",
+    ),
+    "an id outside the vocabulary, finished": (
+        lambda d: json.dumps({**d, "tokens": d["tokens"][:-1] + [999999999]}),
+        "generated token ids [999999999] are outside the vocabulary [0, 64)",
+    ),
+    "a prompt id outside the vocabulary": (
+        lambda d: json.dumps({**d, "prompt_tokens": [64]}), "prompt token ids [64] are outside the vocabulary [0, 64)"
+    ),
+    "more tokens than max_new_tokens": (
+        lambda d: json.dumps({**d, "max_new_tokens": 2}), "holds 8 generated tokens, more than its max_new_tokens (2)"
+    ),
+    "a seed out of range": (lambda d: json.dumps({**d, "seed": 2**64}), "seed must be an integer from 0 to 2**64-1"),
+    "a damaged generator state": (lambda d: json.dumps({**_unfinished(d), "rng_state": "AAAA"}), "rng_state is not a generator state"),
+    "a missing field": (lambda d: json.dumps({k: v for k, v in d.items() if k != "seed"}), "is incomplete: it has no ['seed']"),
+    "a spec that is not a table": (lambda d: json.dumps({**d, "spec": "ar"}), "spec must be an object"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CHECKPOINTS))
+def test_resume_with_a_bad_checkpoint_leaves_every_file_as_it_was(case, finished_run, tmp_path, capsys):
+    data, _ = finished_run
+    make, message = BAD_CHECKPOINTS[case]
+    out, ckpt = tmp_path / "o.txt", tmp_path / "o.txt.ckpt"
+    out.write_bytes(b"the text generated before the crash, 55 bytes long....")
+    ckpt.write_text(make(data))
+    before = {path: path.read_bytes() for path in (out, ckpt)}
+    code, _, err = run(capsys, "generate", "--resume", "--out", str(out))
+    assert code == 2, err
+    assert err.count("\n") == 1 and err.startswith("tokenswift: error: ") and message in err, err
+    assert {path: path.read_bytes() for path in tmp_path.iterdir()} == before
+
+
+def test_resume_of_a_good_checkpoint_rewrites_the_output_from_it(finished_run, tmp_path, capsys):
+    data, text = finished_run
+    out = tmp_path / "o.txt"
+    out.write_text("stale")
+    (tmp_path / "o.txt.ckpt").write_text(json.dumps(_unfinished(data)))
+    code, _, err = run(capsys, "generate", "--resume", "--quiet", "--out", str(out))
+    assert code == 0, err
+    assert out.read_text() == text
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--stats-json", "{d}/nodir/s.json"], "--stats-json {d}/nodir/s.json: the directory {d}/nodir does not exist"),
+        (["--stats-json", "{d}"], "--stats-json {d} is a directory; give a file path"),
+        (["--out", "{d}"], "--out {d} is a directory; give a file path"),
+        (["--out", "{d}/o.txt", "--mkdir", "{d}/o.txt.ckpt"], "--out's checkpoint {d}/o.txt.ckpt is a directory; give a file path"),
+        (["--seed", str(2**64)], "--seed must be an integer from 0 to 2**64-1 (18446744073709551615), got 18446744073709551616"),
+        (["--seed", "-1"], "--seed must be an integer from 0 to 2**64-1 (18446744073709551615), got -1"),
+        (["--model", "{d}/garbage.bin"], "model path '{d}/garbage.bin' is a file, but not a .gguf file"),
+    ],
+)
+def test_paths_seeds_and_model_files_are_checked_before_the_run(extra, message, model_dir, tmp_path, capsys):
+    """Each is refused in one line before the model loads: nothing written, nothing left
+    (a --stats-json in a missing directory failed after the whole generation; a checkpoint
+    path that is a directory, at the first checkpoint, leaving .o.txt.ckpt.tmp)."""
+    (tmp_path / "garbage.bin").write_bytes(b"\x00" * 64)
+    extra = [arg.format(d=tmp_path) for arg in extra]
+    if "--mkdir" in extra:
+        i = extra.index("--mkdir")
+        Path(extra[i + 1]).mkdir()
+        del extra[i : i + 2]
+    before = sorted(tmp_path.rglob("*"))
+    model = [] if "--model" in extra else ["--model", str(model_dir)]
+    code, out, err = run(capsys, "generate", *model, "--dtype", "float32", "--prompt", "the cat", "--max-new-tokens", "300",
+                         "--checkpoint-every", "4", "--quiet", *extra)
+    assert code == 2, err
+    assert err.startswith(f"tokenswift: error: {message.format(d=tmp_path)}") and err.count("\n") == 1, err
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_seeds_outside_the_documented_range_are_refused_by_the_python_api():
+    from tokenswift import Pipeline
+    from tokenswift.errors import SpecError
+
+    pipe = Pipeline.from_spec("ar", tiny_model_for("llama-gqa", "float32"))
+    assert pipe.generate([1, 2], 2, seed=2**64 - 1).seed == 2**64 - 1
+    for seed in (2**64, -1, -(2**70), 10**40, 1.5, "7", True):
+        with pytest.raises(SpecError, match=r"^seed must be an integer from 0 to 2\*\*64-1 \(18446744073709551615\), got "):
+            pipe.generate([1, 2], 2, seed=seed)
+
+
+def test_a_run_too_large_for_memory_is_one_line_without_a_warning_before_it(model_dir, tmp_path):
+    """Past the trained context a run is warned about, but only once it is accepted: a
+    refused one printed a WARNING line before its error (logging is set up only in a
+    process of its own, hence the subprocess)."""
+    out = tmp_path / "o.txt"
+    result = subprocess.run(
+        [sys.executable, "-m", "tokenswift", "generate", "--preset", "ar", "--model", str(model_dir), "--dtype", "float32",
+         "--prompt", "the cat", "--max-new-tokens", str(10**12), "--out", str(out)],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "TOKENSWIFT_DISABLE_PLUGINS": "all"},
+    )
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "lower --max-new-tokens (1000000000000)" in result.stderr and not out.exists()

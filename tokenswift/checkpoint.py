@@ -54,27 +54,89 @@ class Checkpoint:
         data["rng_state"] = base64.b64encode(self.rng_state).decode()
         data["format"] = FORMAT
         tmp = path.with_name(f".{path.name}.tmp")
-        with tmp.open("w", encoding="utf-8") as f:
-            json.dump(data, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            with tmp.open("w", encoding="utf-8") as f:
+                json.dump(data, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:  # e.g. ``path`` is a directory: no half-written file left beside it
+            tmp.unlink(missing_ok=True)
+            raise
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Checkpoint:
+        """Read a checkpoint, every field checked (types, lengths, the seed's range, the
+        generator state); anything else is a one-line :class:`TokenswiftError` naming
+        the file and the field. Token ids are checked against a model's vocabulary by
+        ``Pipeline.check_resume``."""
         path = Path(path)
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise TokenswiftError(f"no checkpoint at {path}") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except IsADirectoryError:
+            raise TokenswiftError(f"checkpoint {path} is a directory, not a checkpoint file") from None
+        except (ValueError, RecursionError) as exc:  # JSON, UTF-8, an integer of too many digits
             raise TokenswiftError(f"checkpoint {path} is not readable: {exc}") from None
+        if not isinstance(data, dict):
+            raise TokenswiftError(f"{path} is not a tokenswift checkpoint ({FORMAT}): a JSON {type(data).__name__}, not an object")
         written = data.pop("format", None)
+        if written not in (FORMAT, *INVERSE_CDF_FORMATS):
+            raise TokenswiftError(f"{path} is not a tokenswift checkpoint ({FORMAT})")
+        _check_fields(path, data)
         if written in INVERSE_CDF_FORMATS:
             sampling = data["spec"].setdefault("sampling", {})
             if isinstance(sampling, dict) and not sampling.get("greedy"):
                 sampling.setdefault("sampler", "inverse-cdf")
-        elif written != FORMAT:
-            raise TokenswiftError(f"{path} is not a tokenswift checkpoint ({FORMAT})")
-        data["rng_state"] = base64.b64decode(data["rng_state"])
-        return cls(**data)
+        try:
+            data["rng_state"] = base64.b64decode(data["rng_state"], validate=True)
+            checkpoint = cls(**data)
+            checkpoint.generator()
+        except (ValueError, RuntimeError) as exc:
+            raise TokenswiftError(f"checkpoint {path}: rng_state is not a generator state ({exc})") from None
+        return checkpoint
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_fields(path: Path, data: dict[str, Any]) -> None:
+    """Each field of a checkpoint's JSON of the type the run needs, or a one-line error."""
+    from tokenswift.validation import check_seed
+
+    fields = {field.name for field in attrs.fields(Checkpoint)}
+    required = {field.name for field in attrs.fields(Checkpoint) if field.default is attrs.NOTHING}
+    if missing := sorted(required - data.keys()):
+        raise TokenswiftError(f"checkpoint {path} is incomplete: it has no {missing}")
+    if unknown := sorted(data.keys() - fields):
+        raise TokenswiftError(f"checkpoint {path} has unknown fields {unknown}; a checkpoint has {sorted(fields)}")
+
+    def bad(field: str, valid: str) -> TokenswiftError:
+        return TokenswiftError(f"checkpoint {path}: {field} must be {valid}, got {data[field]!r:.80}")
+
+    if not isinstance(data["spec"], dict):
+        raise bad("spec", "an object (the run's spec)")
+    for field in ("prompt_tokens", "tokens"):
+        if not isinstance(data[field], list) or not all(_is_int(t) and t >= 0 for t in data[field]):
+            raise bad(field, "a list of token ids (integers >= 0)")
+    if not data["prompt_tokens"]:
+        raise bad("prompt_tokens", "a non-empty list of token ids")
+    if not _is_int(data["max_new_tokens"]) or data["max_new_tokens"] <= 0:
+        raise bad("max_new_tokens", "a positive integer")
+    if len(data["tokens"]) > data["max_new_tokens"]:
+        raise TokenswiftError(
+            f"checkpoint {path}: it holds {len(data['tokens'])} generated tokens, more than its "
+            f"max_new_tokens ({data['max_new_tokens']})"
+        )
+    try:
+        check_seed(data["seed"], f"checkpoint {path}: seed")
+    except ValueError as exc:
+        raise TokenswiftError(str(exc)) from None
+    if not isinstance(data["rng_state"], str):
+        raise bad("rng_state", "a base64 string")
+    if not isinstance(data["ignore_eos"], bool):
+        raise bad("ignore_eos", "true or false")
+    if data.get("finish_reason") is not None and not isinstance(data["finish_reason"], str):
+        raise bad("finish_reason", "a string or null")

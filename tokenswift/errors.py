@@ -19,3 +19,8 @@ class PluginError(TokenswiftError):
 
 class NonFiniteScoresError(TokenswiftError):
     """A node's logits were NaN or +inf, or filtered down to nothing."""
+
+
+class PromptError(TokenswiftError, ValueError):
+    """A prompt cannot be run: empty, not valid Unicode text, ids outside the
+    vocabulary, or longer than the model's context."""

@@ -30,19 +30,20 @@ from tokenswift.calibration import calibration_for
 from tokenswift.costs import CostModel
 from tokenswift.decoding import DecodingSetup, Generation
 from tokenswift.detok import IncrementalDecoder
-from tokenswift.errors import SpecError
+from tokenswift.errors import PromptError, SpecError
 from tokenswift.interfaces import BuildContext
 from tokenswift.memory import WORKING_SLACK, MemoryEstimate, available_bytes, gib
 from tokenswift.model.dtypes import prefill_dtype
 from tokenswift.model.loading import load_model
 from tokenswift.model.runner import Runner
-from tokenswift.prompts import chat_template_text, run_end_ids
+from tokenswift.prompts import COUNT_CHUNK_CHARS, chat_template_text, check_text, run_end_ids, tokens_at_least
 from tokenswift.registry import PluginManager, Registry, build_registry, get_plugin_manager
 from tokenswift.scoring import Scorer
 from tokenswift.speculation import AutoSpeculator, Speculator
 from tokenswift.spec import COMPONENT_KINDS, PipelineSpec, load_toml, merge_overrides
 from tokenswift.stats import GenerationStats, StatsCollector, StepRecord
 
+from tokenswift.validation import check_seed
 logger = logging.getLogger(__name__)
 
 __all__ = ["GenerationResult", "GenerationStats", "Pipeline", "StepRecord", "StreamChunk"]
@@ -181,17 +182,17 @@ class Pipeline:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this pipeline has no tokenizer: pass the prompt as a list of token ids")
-            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            ids = self.tokenizer(check_text(prompt), add_special_tokens=False)["input_ids"]
         elif isinstance(prompt, torch.Tensor):
             ids = prompt.flatten().tolist()
         else:
             ids = [int(t) for t in prompt]
         if not ids:
-            raise ValueError("the prompt is empty: give at least one token")
+            raise PromptError("the prompt is empty: give at least one token")
         vocab = self.runner.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+            raise PromptError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         return ids
 
     def eos_token_ids(self) -> set[int]:
@@ -207,25 +208,52 @@ class Pipeline:
             raise ValueError("this pipeline has no tokenizer, so it has no chat template: pass a prompt instead")
         return chat_template_text(self.tokenizer, messages)
 
-    def check(self, prompt: str | list[int] | torch.Tensor, max_new_tokens: int) -> list[int]:
+    def check(
+        self, prompt: str | list[int] | torch.Tensor, max_new_tokens: int, *, name: str = "max_new_tokens"
+    ) -> list[int]:
         """Validate a run before it starts (prompt, length, context, memory) and return
-        the prompt's token ids; raises ValueError with the reason otherwise."""
+        the prompt's token ids; raises ValueError with the reason otherwise (a
+        :class:`~tokenswift.errors.PromptError` where the prompt is at fault).
+        ``name``: what messages call ``max_new_tokens`` (a flag, a request field). A
+        long text is counted in pieces and refused as soon as the context is exceeded,
+        never tokenized whole; warnings (past the trained context) come only once the
+        run is accepted."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+            raise ValueError(f"{name} must be a positive integer, got {max_new_tokens!r}")
+        context = getattr(self.runner.config, "max_position_embeddings", None)
+        if isinstance(prompt, str) and context is not None and self.tokenizer is not None and len(prompt) > COUNT_CHUNK_CHARS:
+            found = tokens_at_least(self.tokenizer, check_text(prompt), context)
+            if found is not None:
+                raise PromptError(
+                    f"the prompt has at least {found[0]} tokens (counted in its first {found[1]} of {len(prompt)} "
+                    f"characters), more than the model's context of {context} positions"
+                )
         prompt_ids = self.encode(prompt)
-        self._check_context(len(prompt_ids), max_new_tokens)
-        self._check_memory(len(prompt_ids), max_new_tokens)
+        self._check_context(len(prompt_ids), max_new_tokens, warn=False)
+        self._check_memory(len(prompt_ids), max_new_tokens, name=name)
+        self._check_context(len(prompt_ids), max_new_tokens, warn=True)
         return prompt_ids
 
-    def _check_context(self, prompt_tokens: int, max_new_tokens: int) -> None:
+    def check_resume(self, checkpoint: Checkpoint) -> list[int]:
+        """Validate a checkpoint before it is continued, as :meth:`check` validates a
+        run (its prompt, context and memory), and its generated tokens: ids of this
+        model's vocabulary. Returns the prompt's ids; raises ValueError otherwise."""
+        prompt_ids = self.check(checkpoint.prompt_tokens, checkpoint.max_new_tokens)
+        vocab = self.runner.vocab_size
+        bad = [t for t in checkpoint.tokens if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"the checkpoint's generated token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        return prompt_ids
+
+    def _check_context(self, prompt_tokens: int, max_new_tokens: int, *, warn: bool = True) -> None:
         context = getattr(self.runner.config, "max_position_embeddings", None)
         if context is None:
             return
         if prompt_tokens >= context:
-            raise ValueError(
+            raise PromptError(
                 f"the prompt has {prompt_tokens} tokens, more than the model's context of {context} positions"
             )
-        if prompt_tokens + max_new_tokens > context:
+        if warn and prompt_tokens + max_new_tokens > context:
             logger.warning(
                 "prompt (%d) + max_new_tokens (%d) exceed the model's trained context (%d positions); "
                 "quality past it depends on the model's RoPE scaling",
@@ -248,7 +276,7 @@ class Pipeline:
             packed_bytes=runner.packed_bytes(),
         )
 
-    def _check_memory(self, prompt_tokens: int, max_new_tokens: int) -> None:
+    def _check_memory(self, prompt_tokens: int, max_new_tokens: int, *, name: str = "max_new_tokens") -> None:
         estimate = self.estimate_memory(prompt_tokens, max_new_tokens)
         free = available_bytes(self.runner.device)
         if distributed.launched():  # every rank must take the same decision
@@ -259,7 +287,7 @@ class Pipeline:
                 f"this run needs about {gib(estimate.total_bytes)} (KV store for {estimate.positions} positions "
                 f"{gib(estimate.kv_bytes)}, drafting view {gib(estimate.view_bytes)}, packed weights "
                 f"{gib(estimate.packed_bytes)}), but only {gib(free)} is "
-                f"available; lower max_new_tokens ({max_new_tokens}) or the cache budget"
+                f"available; lower {name} ({max_new_tokens}) or the cache budget"
                 + ("" if not estimate.packed_bytes else
                    f", or set {kernels.LINEARS_ENV}=torch to multiply by the weights as stored")
             )
@@ -348,8 +376,10 @@ class Pipeline:
             prompt, max_new_tokens, seed, ignore_eos = (
                 resume.prompt_tokens, resume.max_new_tokens, resume.seed, resume.ignore_eos
             )
-        prompt_ids = self.check(prompt, max_new_tokens)
-        seed = distributed.broadcast_int(secrets.randbits(63)) if seed is None else int(seed)
+        if seed is not None:
+            seed = check_seed(seed)
+        prompt_ids = self.check(prompt, max_new_tokens) if resume is None else self.check_resume(resume)
+        seed = distributed.broadcast_int(secrets.randbits(63)) if seed is None else seed
         generator = resume.generator() if resume is not None else torch.Generator(device="cpu").manual_seed(seed)
         done = list(resume.tokens) if resume is not None else []
         if resume is not None and resume.done:  # nothing left to decode: nothing to prepare

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from importlib import resources
 
-from tokenswift.errors import TokenswiftError
+from tokenswift.errors import PromptError, TokenswiftError
 
 BUNDLED_FILE = "wuthering_heights_opening.txt"
 
@@ -33,6 +33,48 @@ def prompt_ids(tokenizer, num_tokens: int, text: str | None = None, source: str 
         hint = "" if text is not None else "; give a longer text with --prompt-file"
         raise ValueError(f"{source} has {len(ids)} tokens; {num_tokens} were asked for{hint}")
     return ids[:num_tokens]
+
+
+def check_text(text: str, name: str = "the prompt") -> str:
+    """``text`` if it is valid Unicode (UTF-8 encodable), else a :class:`PromptError`
+    naming ``name`` and the first lone surrogate (what JSON's ``"\\ud800"`` or a
+    command-line argument that is not UTF-8 decodes to); a tokenizer would refuse it
+    with its own internals."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise PromptError(
+            f"{name} is not valid Unicode text: it has a lone surrogate {text[exc.start]!r} at character {exc.start} "
+            "(text must be encodable as UTF-8)"
+        ) from None
+    return text
+
+
+# Counting a long text's tokens in pieces (see tokens_at_least).
+COUNT_CHUNK_CHARS = 8192
+CUT_SLACK_TOKENS = 8  # tokens one cut between two pieces may add (a word split in two)
+
+
+def tokens_at_least(tokenizer, text: str, limit: int, chunk_chars: int = COUNT_CHUNK_CHARS) -> tuple[int, int] | None:
+    """Whether ``text`` has at least ``limit`` tokens, told without tokenizing all of a
+    long text (a 20 MB prompt took 25 s and 4 GB to tokenize whole): pieces of at most
+    ``chunk_chars`` characters, cut at whitespace where there is some, are counted in
+    turn until their count, less :data:`CUT_SLACK_TOKENS` per piece, reaches ``limit``.
+    Returns ``(that lower bound, characters counted)`` then; None where the text ends
+    first (it may then still have a few tokens more than ``limit``: count it whole,
+    which is cheap now that it is known to be about ``limit`` tokens at most)."""
+    counted, start, pieces = 0, 0, 0
+    while start < len(text):
+        end = min(start + chunk_chars, len(text))
+        if end < len(text):
+            cut = max(text.rfind(c, start + chunk_chars // 2, end) for c in " \n\t")
+            end = cut if cut > start else end
+        counted += len(tokenizer(text[start:end], add_special_tokens=False)["input_ids"])
+        pieces += 1
+        start = end
+        if start < len(text) and counted - CUT_SLACK_TOKENS * pieces >= limit:
+            return counted - CUT_SLACK_TOKENS * pieces, start
+    return None
 
 
 ROLES = ("system", "user", "assistant", "tool", "developer")

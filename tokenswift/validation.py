@@ -3,7 +3,14 @@ messages that name the option, the bad value and what is valid."""
 
 from __future__ import annotations
 
+import numbers
+
 from tokenswift.errors import SpecError
+
+# A run's seed: 64 bits, what torch's generator (the inverse-CDF sampler) and the coupled
+# sampler's Philox key take. Negative seeds are refused: torch would fold -1 onto
+# 2**64 - 1, so two spellings of one run would be reported as different seeds.
+SEED_MAX = 2**64 - 1
 
 
 def int_at_least(option: str, low: int, *, optional: bool = False):
@@ -53,3 +60,17 @@ def boolean(option: str):
         return value
 
     return convert
+
+
+def check_seed(value, name: str = "seed") -> int:
+    """A run's seed as an int in [0, 2**64 - 1] (:data:`SEED_MAX`); any other value,
+    a bool or a non-integer, is a :class:`SpecError` naming ``name`` (``"seed"``,
+    ``"--seed"``) and the range. The one check the CLI, ``Pipeline.generate`` and the
+    server share."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value <= SEED_MAX:
+        if isinstance(value, numbers.Integral) and abs(int(value)).bit_length() > 256:
+            shown = f"an integer of {abs(int(value)).bit_length()} bits"
+        else:
+            shown = f"{value!r:.60}"
+        raise SpecError(f"{name} must be an integer from 0 to 2**64-1 ({SEED_MAX}), got {shown}")
+    return int(value)

@@ -72,6 +72,23 @@ def spec_and_overrides(args):
     return spec, overrides
 
 
+def check_writable(name: str | Path, flag: str) -> Path:
+    """A file path a command will write, checked without opening it (so that a refused
+    run leaves an existing file as it was): not a directory, in an existing directory,
+    writable. ``flag`` names it in the one-line error."""
+    import os
+
+    path = Path(name)
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise CliError(f"{flag} {path} is a directory; give a file path")
+    if not parent.is_dir():
+        raise CliError(f"{flag} {path}: the directory {parent} does not exist")
+    if not os.access(path if path.exists() else parent, os.W_OK):
+        raise CliError(f"{flag} {path} is not writable")
+    return path
+
+
 def read_prompt_file(name: str) -> str:
     path = Path(name)
     try:

@@ -10,7 +10,16 @@ import sys
 from pathlib import Path
 
 from tokenswift import distributed
-from tokenswift.commands import DEFAULT_MODEL, DEFAULT_PRESET, DTYPE_CHOICES, CliError, read_prompt_file, spec_and_overrides
+from tokenswift.commands import (
+    DEFAULT_MODEL,
+    DEFAULT_PRESET,
+    DTYPE_CHOICES,
+    CliError,
+    check_writable,
+    read_prompt_file,
+    spec_and_overrides,
+)
+from tokenswift.validation import check_seed
 
 NAME = "generate"
 HELP = "generate text with a preset or spec"
@@ -123,23 +132,42 @@ def checkpoint_path(out: str) -> Path:
     return Path(f"{out}.ckpt")
 
 
+def _check_paths(args) -> None:
+    """The files a run will write (--out, its checkpoint, --stats-json) can be written:
+    checked before the model loads, none of them opened."""
+    if args.out:
+        check_writable(args.out, "--out")
+        check_writable(checkpoint_path(args.out), "--out's checkpoint")
+    if args.stats_json:
+        check_writable(args.stats_json, "--stats-json")
+
+
 def run(args, argv: list[str] | None = None) -> int:
     from tokenswift import Pipeline, hookimpl
     from tokenswift.checkpoint import Checkpoint
     from tokenswift.detok import IncrementalDecoder
 
+    # Every input is checked before a model loads and before any file is opened for
+    # writing: a refused run leaves every file as it was.
+    _check_paths(args)
+    if args.checkpoint_every <= 0:
+        raise CliError(f"--checkpoint-every must be a positive integer, got {args.checkpoint_every}")
+    if args.seed is not None:
+        check_seed(args.seed, "--seed")
     resume = None
     if args.resume:
         if not args.out:
             raise CliError("--resume needs --out FILE (the checkpoint is FILE.ckpt)")
         resume = Checkpoint.load(checkpoint_path(args.out))
         pipe = Pipeline.from_spec(resume.spec)
+        try:
+            pipe.check_resume(resume)  # its tokens are this model's, the run fits: before --out is rewritten
+        except ValueError as exc:
+            raise CliError(f"cannot resume {checkpoint_path(args.out)}: {exc}") from None
         prompt, max_new_tokens = None, resume.max_new_tokens
     else:
         if args.max_new_tokens <= 0:
             raise CliError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
-        if args.checkpoint_every <= 0:
-            raise CliError(f"--checkpoint-every must be a positive integer, got {args.checkpoint_every}")
         if args.chat is not None:
             if not args.chat.strip():
                 raise CliError("--chat: the instruction is empty")
@@ -156,7 +184,7 @@ def run(args, argv: list[str] | None = None) -> int:
 
             prompt = pipe.chat_prompt(chat_messages(args.chat, args.system))
         max_new_tokens = args.max_new_tokens
-        prompt = pipe.check(prompt, max_new_tokens)  # refuse a bad run before any file is opened
+        prompt = pipe.check(prompt, max_new_tokens, name="--max-new-tokens")  # refuse a bad run before any file is opened
 
     # The live bar shares the terminal with streamed text only when the text goes elsewhere.
     text_on_terminal = args.out is None and sys.stdout.isatty()

@@ -243,6 +243,11 @@ def load_model(spec: ModelSpec):
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{path} is not a transformers model directory (it has no config.json)")
         directory = path
+    elif path.is_file():
+        raise ModelLoadError(
+            f"model path {str(spec.path)!r} is a file, but not a .gguf file: expected a local transformers "
+            f"directory (with config.json), a .gguf file, or a packaged model name ({sorted(PACKAGED_MODELS)})"
+        )
     else:
         raise ModelLoadError(
             f"model path {str(spec.path)!r} not found: expected a local transformers directory, "
