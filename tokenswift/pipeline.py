@@ -41,9 +41,10 @@ from tokenswift.registry import PluginManager, Registry, build_registry, get_plu
 from tokenswift.scoring import Scorer
 from tokenswift.speculation import AutoSpeculator, Speculator
 from tokenswift.spec import COMPONENT_KINDS, PipelineSpec, load_toml, merge_overrides
+from tokenswift.health import LOOP_THRESHOLD, check_loop_threshold
 from tokenswift.stats import GenerationStats, StatsCollector, StepRecord
-
 from tokenswift.validation import check_seed
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["GenerationResult", "GenerationStats", "Pipeline", "StepRecord", "StreamChunk"]
@@ -360,12 +361,16 @@ class Pipeline:
         *,
         messages: list[dict] | None = None,
         resume: Checkpoint | None = None,
+        loop_threshold: float = LOOP_THRESHOLD,
     ) -> Generation:
         """Validate a run and prepare it (:meth:`prepare`: the first run on a machine
         measures its costs); decoding starts when its ``steps()`` are iterated.
         ``messages`` (instead of ``prompt``): a chat, continued as the model's
         assistant (:meth:`chat_prompt`). ``resume`` continues a checkpoint (``prompt``,
-        ``max_new_tokens``, ``seed`` and ``ignore_eos`` then come from it)."""
+        ``max_new_tokens``, ``seed`` and ``ignore_eos`` then come from it).
+        ``loop_threshold``: a warning is logged when distinct-4 over the last 1,024
+        tokens falls below it (:mod:`tokenswift.health`; 0: never)."""
+        check_loop_threshold(loop_threshold)
         if messages is not None:
             if prompt is not None:
                 raise ValueError("give a prompt or messages, not both")
@@ -395,6 +400,7 @@ class Pipeline:
             ignore_eos=ignore_eos,
             done_tokens=done,
             finish_reason=resume.finish_reason if resume is not None and resume.done else None,
+            loop_threshold=loop_threshold,
         )
 
     def steps(
@@ -416,6 +422,7 @@ class Pipeline:
         checkpoint: str | os.PathLike | None = None,
         checkpoint_every: int = 256,
         resume: Checkpoint | None = None,
+        loop_threshold: float = LOOP_THRESHOLD,
     ) -> GenerationResult:
         """Generate up to ``max_new_tokens`` new tokens after ``prompt`` (text or ids),
         or, given ``messages`` (``[{"role": "system" | "user" | "assistant", "content":
@@ -432,10 +439,17 @@ class Pipeline:
         such a checkpoint exactly (``prompt``, ``max_new_tokens``, ``seed`` and
         ``ignore_eos`` then come from it); the result holds all new tokens, the stats
         this run's part.
+
+        The stats say what the text has become (``result.stats.health``: distinct-n
+        over the last 1,024 tokens and the model's own NLL of what it emitted); a
+        warning is logged when distinct-4 falls below ``loop_threshold`` (a loop; 0:
+        never).
         """
         if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every <= 0:
             raise ValueError(f"checkpoint_every must be a positive integer, got {checkpoint_every!r}")
-        run = self.start(prompt, max_new_tokens, seed, ignore_eos, messages=messages, resume=resume)
+        run = self.start(
+            prompt, max_new_tokens, seed, ignore_eos, messages=messages, resume=resume, loop_threshold=loop_threshold
+        )
         if not distributed.is_primary():  # under torchrun, rank 0 alone streams and writes
             stream, checkpoint = None, None
         hook = self.plugin_manager.hook

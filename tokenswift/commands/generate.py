@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import signal
 import sys
 from pathlib import Path
 
 from tokenswift import distributed
+from tokenswift.health import LOOP_THRESHOLD
 from tokenswift.commands import (
     DEFAULT_MODEL,
     DEFAULT_PRESET,
@@ -84,6 +86,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="continue the run whose checkpoint is --out FILE.ckpt, in the checkpoint's dtype: exactly as "
         "uninterrupted in float32/float64, from the same distribution in bfloat16",
     )
+    parser.add_argument(
+        "--loop-threshold", type=float, default=LOOP_THRESHOLD, metavar="X",
+        help="warn when distinct-4 over the last 1,024 tokens falls below X, a loop (default "
+        f"{LOOP_THRESHOLD}; 0: never). The summary and the progress bar show distinct-n and the model's own "
+        "NLL of what it wrote either way",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
 
 
@@ -119,13 +127,25 @@ class _Progress:
                 dynamic_ncols=True, leave=True, file=sys.stderr, bar_format=BAR_FORMAT,
             )
         self.bar.update(len(step.emitted))
-        self.bar.set_postfix_str(
-            f"{step.generated / max(step.seconds, 1e-9):.1f} tok/s, {step.generated / step.step:.2f} tok/step", refresh=False
-        )
+        postfix = f"{step.generated / max(step.seconds, 1e-9):.1f} tok/s, {step.generated / step.step:.2f} tok/step"
+        self.bar.set_postfix_str(postfix + health_postfix(step.health), refresh=False)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def health_postfix(health) -> str:
+    """What the text has become, for the progress line: distinct-4 over the last 1,024
+    tokens and the model's own NLL of them (tokenswift.health)."""
+    if health is None:
+        return ""
+    parts = []
+    if not math.isnan(health.distinct_4):
+        parts.append(f"distinct-4 {health.distinct_4:.2f}")
+    if not math.isnan(health.recent_self_nll):
+        parts.append(f"NLL {health.recent_self_nll:.2f}")
+    return "".join(f", {part}" for part in parts)
 
 
 def checkpoint_path(out: str) -> Path:
@@ -147,6 +167,8 @@ def run(args, argv: list[str] | None = None) -> int:
     from tokenswift.checkpoint import Checkpoint
     from tokenswift.detok import IncrementalDecoder
 
+    if not 0 <= args.loop_threshold <= 1:
+        raise CliError(f"--loop-threshold must be a number in [0, 1] (0: never warn), got {args.loop_threshold}")
     # Every input is checked before a model loads and before any file is opened for
     # writing: a refused run leaves every file as it was.
     _check_paths(args)
@@ -231,6 +253,7 @@ def run(args, argv: list[str] | None = None) -> int:
             checkpoint=checkpoint_path(args.out) if args.out else None,
             checkpoint_every=args.checkpoint_every,
             resume=resume,
+            loop_threshold=args.loop_threshold,
         )
         if out_file is None and primary:
             sys.stdout.write("\n")
