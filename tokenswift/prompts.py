@@ -91,7 +91,7 @@ def check_messages(messages) -> list[dict]:
             raise TokenswiftError(f"messages[{i}] must be an object with 'role' and 'content', got {message!r:.80}")
         role, content = message.get("role"), message.get("content")
         if role not in ROLES:
-            raise TokenswiftError(f"messages[{i}].role must be one of {list(ROLES)}, got {role!r}")
+            raise TokenswiftError(f"messages[{i}].role must be one of {list(ROLES)}, got {role!r:.80}")
         if not isinstance(content, str):
             raise TokenswiftError(f"messages[{i}].content must be a string, got {type(content).__name__}")
         checked.append({"role": role, "content": content})

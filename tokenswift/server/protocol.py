@@ -12,13 +12,15 @@ ignored).
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
 import attrs
 
 from tokenswift.errors import TokenswiftError
-from tokenswift.prompts import check_messages
+from tokenswift.prompts import check_messages, check_text
+from tokenswift.validation import check_seed
 
 MAX_STOP_STRINGS = 4
 
@@ -44,14 +46,19 @@ NEUTRAL = {
 
 
 class RequestError(TokenswiftError):
-    """A bad request: ``status`` (400, 404, ...), ``param`` (the field, or None)."""
+    """A request that gets an error: ``status`` (400, 404, 413, 503, ...), ``param``
+    (the field, or None); ``type`` is OpenAI's ("invalid_request_error" for the
+    client's mistakes, "server_error" for the server's state)."""
 
-    def __init__(self, message: str, *, param: str | None = None, status: int = 400, code: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, param: str | None = None, status: int = 400, code: str | None = None,
+        type: str = "invalid_request_error",
+    ) -> None:
         super().__init__(message)
-        self.message, self.param, self.status, self.code = message, param, status, code
+        self.message, self.param, self.status, self.code, self.type = message, param, status, code, type
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": "invalid_request_error", "param": self.param, "code": self.code}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 @attrs.frozen(kw_only=True)
@@ -81,14 +88,28 @@ class GenerationRequest:
         return self.messages is not None
 
 
+def _shown(value: Any, *, as_json: bool = False) -> str:
+    """A request value for an error message (its repr, or ``as_json``), cut short."""
+    text = json.dumps(value) if as_json else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _text(value: str, name: str) -> str:
+    """A string field that is valid Unicode (JSON's ``"\\ud800"`` is a lone surrogate)."""
+    try:
+        return check_text(value, name)
+    except TokenswiftError as exc:
+        raise RequestError(str(exc), param=name.split("[")[0]) from None
+
+
 def _integer(body: dict, name: str, *, low: int | None = None) -> int | None:
     value = body.get(name)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestError(f"{name} must be an integer, got {value!r}", param=name)
+        raise RequestError(f"{name} must be an integer, got {_shown(value)}", param=name)
     if low is not None and value < low:
-        raise RequestError(f"{name} must be at least {low}, got {value}", param=name)
+        raise RequestError(f"{name} must be at least {low}, got {_shown(value)}", param=name)
     return value
 
 
@@ -96,19 +117,30 @@ def _number(body: dict, name: str, low: float, high: float, *, low_open: bool = 
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise RequestError(f"{name} must be a number, got {value!r}", param=name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float) and math.isnan(value)):
+        raise RequestError(f"{name} must be a number, got {_shown(value)}", param=name)
     if value < low or value > high or (low_open and value == low):
         interval = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
-        raise RequestError(f"{name} must be in {interval}, got {value}", param=name)
+        raise RequestError(f"{name} must be in {interval}, got {_shown(value)}", param=name)
     return float(value)
+
+
+def _seed(body: dict) -> int | None:
+    """The seed, in the range every seed has (:func:`tokenswift.validation.check_seed`)."""
+    seed = _integer(body, "seed")
+    if seed is None:
+        return None
+    try:
+        return check_seed(seed)
+    except TokenswiftError as exc:
+        raise RequestError(str(exc), param="seed") from None
 
 
 def _boolean(value: Any, name: str) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise RequestError(f"{name} must be true or false, got {value!r}", param=name)
+        raise RequestError(f"{name} must be true or false, got {_shown(value)}", param=name)
     return value
 
 
@@ -117,10 +149,10 @@ def _stop(value: Any) -> tuple[str, ...]:
         return ()
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise RequestError(f"stop must be a non-empty string or a list of them, got {value!r}", param="stop")
+        raise RequestError(f"stop must be a non-empty string or a list of them, got {_shown(value)}", param="stop")
     if len(stops) > MAX_STOP_STRINGS:
         raise RequestError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}", param="stop")
-    return tuple(stops)
+    return tuple(_text(s, "stop") for s in stops)
 
 
 def _check_fields(body: dict, allowed: frozenset[str]) -> None:
@@ -128,10 +160,16 @@ def _check_fields(body: dict, allowed: frozenset[str]) -> None:
         if name in allowed:
             continue
         if name in NEUTRAL:
-            if value not in NEUTRAL[name]:
-                raise RequestError(f"{name} is not supported by tokenswift (only its default, {NEUTRAL[name][-1]!r})", param=name)
+            if not any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in NEUTRAL[name]):
+                valid = [json.dumps(v) for v in NEUTRAL[name]]
+                valid_text = valid[0] if len(valid) == 1 else ", ".join(valid[:-1]) + " or " + valid[-1]
+                raise RequestError(
+                    f"{name} is not supported by tokenswift: it may only be {valid_text} (its neutral values), "
+                    f"got {_shown(value, as_json=True)}",
+                    param=name,
+                )
             continue
-        raise RequestError(f"unknown field {name!r}; this endpoint reads {sorted(allowed)}", param=name)
+        raise RequestError(f"unknown field {_shown(name)}; this endpoint reads {sorted(allowed)}", param=name)
 
 
 def parse_request(body: Any, *, chat: bool, served_model: str) -> GenerationRequest:
@@ -144,17 +182,20 @@ def parse_request(body: Any, *, chat: bool, served_model: str) -> GenerationRequ
     if not isinstance(model, str) or not model:
         raise RequestError("model is required: the name of the served model", param="model")
     if model != served_model:
-        raise RequestError(f"unknown model {model!r}; this server serves {served_model!r}", param="model", status=404, code="model_not_found")
+        raise RequestError(f"unknown model {_shown(model)}; this server serves {served_model!r}", param="model", status=404, code="model_not_found")
     if _integer(body, "n", low=1) not in (None, 1):
-        raise RequestError(f"n must be 1 (one choice per request), got {body['n']}", param="n")
+        raise RequestError(f"n must be 1 (one choice per request), got {_shown(body['n'])}", param="n")
     max_tokens = _integer(body, "max_tokens", low=1)
     if chat and body.get("max_completion_tokens") is not None:
         max_tokens = _integer(body, "max_completion_tokens", low=1)
     stream = _boolean(body.get("stream"), "stream")
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
-        raise RequestError(f"stream_options takes only include_usage, got {options!r}", param="stream_options")
+        raise RequestError(f"stream_options takes only include_usage, got {_shown(options)}", param="stream_options")
     include_usage = _boolean((options or {}).get("include_usage"), "stream_options.include_usage")
+    user = body.get("user")  # an end user's id, read and not used
+    if user is not None and not isinstance(user, str):
+        raise RequestError(f"user must be a string, got {_shown(user)}", param="user")
     prompt = messages = None
     if chat:
         if "messages" not in body:
@@ -163,12 +204,15 @@ def parse_request(body: Any, *, chat: bool, served_model: str) -> GenerationRequ
             messages = tuple(check_messages(body["messages"]))
         except TokenswiftError as exc:
             raise RequestError(str(exc), param="messages") from None
+        for i, message in enumerate(messages):
+            _text(message["content"], f"messages[{i}].content")
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if not isinstance(prompt, str) or not prompt:
-            raise RequestError(f"prompt must be a non-empty string, got {prompt!r:.60}", param="prompt")
+            raise RequestError(f"prompt must be a non-empty string, got {_shown(prompt)}", param="prompt")
+        _text(prompt, "prompt")
     return GenerationRequest(
         model=model,
         prompt=prompt,
@@ -176,7 +220,7 @@ def parse_request(body: Any, *, chat: bool, served_model: str) -> GenerationRequ
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 0.0, 2.0),
         top_p=_number(body, "top_p", 0.0, 1.0, low_open=True),
-        seed=_integer(body, "seed"),
+        seed=_seed(body),
         stop=_stop(body.get("stop")),
         stream=stream,
         include_usage=include_usage,
