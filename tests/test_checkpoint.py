@@ -86,6 +86,28 @@ def test_bad_checkpoints(tmp_path):
         Checkpoint.load(bad)
 
 
+def test_a_checkpoint_save_that_fails_leaves_nothing_beside_it(tmp_path):
+    pipe = Pipeline.from_spec("ar", tiny_model_for("llama-mha"))
+    path = tmp_path / "run.ckpt"
+    pipe.generate([1, 2], 4, seed=0, ignore_eos=True, checkpoint=path)
+    saved = Checkpoint.load(path)
+    path.unlink()
+    path.mkdir()  # os.replace cannot put a file there
+    with pytest.raises(OSError):
+        saved.save(path)
+    assert [p.name for p in tmp_path.iterdir()] == ["run.ckpt"] and path.is_dir()
+
+
+def test_resuming_through_the_python_api_checks_the_checkpoint_against_the_model(tmp_path):
+    path = tmp_path / "run.ckpt"
+    pipe = Pipeline.from_spec("ar", tiny_model_for("llama-mha"))
+    pipe.generate([1, 2], 6, seed=0, ignore_eos=True, checkpoint=path)
+    saved = Checkpoint.load(path)
+    broken = Checkpoint(**{**attrs.asdict(saved), "tokens": [1, 10**9], "finish_reason": "interrupted"})
+    with pytest.raises(ValueError, match=r"generated token ids \[1000000000\] are outside the vocabulary \[0, 64\)"):
+        pipe.generate(None, 0, resume=broken)
+
+
 @pytest.mark.parametrize("sampler", ["coupled", "inverse-cdf"])
 def test_an_interrupt_in_the_middle_of_a_step_resumes_exactly(tmp_path, sampler):
     """Ctrl-C can land after a step has drawn but before it committed: the checkpoint

@@ -212,6 +212,10 @@ BAD_RUNS = {
         lambda t, m: ["--model", _bad_gguf(t), "--prompt", "the cat"],
         "cannot load a model from",
     ),
+    "a prompt that is not valid text": (  # a command-line argument that is not UTF-8 decodes to surrogates
+        lambda t, m: ["--model", str(m), "--dtype", "float32", "--prompt", "the \udcff cat"],
+        "the prompt is not valid Unicode text: it has a lone surrogate '\\udcff' at character 4",
+    ),
     "more tokens than memory can hold": (
         lambda t, m: ["--model", str(m), "--dtype", "float32", "--prompt", "the cat", "--max-new-tokens", str(10**12)],
         "but only",
