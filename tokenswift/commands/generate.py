@@ -66,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=1024, help="new tokens to generate (default 1024)")
     parser.add_argument(
         "--seed", type=int,
-        help="random seed (default: random, printed in the summary); in float32/float64 a speculative preset "
+        help="random seed, an integer from 0 to 2**64-1 (default: random, printed in the summary); in "
+        "float32/float64 a speculative preset "
         "then emits the tokens ar emits with that seed, in bfloat16 tokens from the same distribution (see below)",
     )
     parser.add_argument("--greedy", action="store_true", help="greedy decoding instead of the spec's sampling")
