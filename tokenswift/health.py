@@ -138,12 +138,12 @@ class TextHealthMonitor:
         if not self.looping and distinct_4 < self.loop_threshold:
             self.looping = True
             logger.warning(
-                "the text looks like a loop: distinct-4 over the last %d tokens is %.2f (below %.2f) at %d new tokens",
+                "the text looks like a loop: distinct-4 over the last %d tokens is %.3f (below %.3g) at %d new tokens",
                 len(self._tokens), distinct_4, self.loop_threshold, self._generated,
             )
         elif self.looping and distinct_4 >= self.loop_threshold + REARM_MARGIN:
             self.looping = False
-            logger.info("the text left its loop: distinct-4 %.2f at %d new tokens", distinct_4, self._generated)
+            logger.info("the text left its loop: distinct-4 %.3f at %d new tokens", distinct_4, self._generated)
 
 
 def check_loop_threshold(value: float) -> float:
