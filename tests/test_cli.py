@@ -91,6 +91,7 @@ def test_generate_help_says_which_dtypes_give_identical_tokens(capsys):
     assert "--resume continues exactly as the uninterrupted run" in text
     assert "In bfloat16 (what --dtype auto picks" in text and "agree in distribution, not token for token" in text
     assert "--dtype float32 for token-identical runs" in text
+    assert "in float32 up to a rounding tie" in text and "in float64 without exception" in text
     import argparse
 
     from tokenswift.cli import build_parser
