@@ -403,11 +403,12 @@ def test_a_large_body_is_refused_at_once_while_another_stream_flows(served):
         assert answered["response"].status_code == 400, answered["response"].text
         message = answered["response"].json()["error"]["message"]
         assert "more than the model's context of 512 positions" in message and "counted in its first" in message
-        assert answered["seconds"] < 1.0 and max(health_waits) < 0.5, (answered["seconds"], health_waits)
+        # bounds a few times what a quiet machine measures (0.15 s, 0.08 s), far below the 25 s of old
+        assert answered["seconds"] < 1.0 and max(health_waits) < 1.0, (answered["seconds"], health_waits)
         time.sleep(max(0.0, started + 1.0 - time.perf_counter()))
         window = [t for t in times if t >= started]
         gaps = [b - a for a, b in zip(window, window[1:])]
-        assert len(window) >= 10 and max(gaps) < 0.5, gaps  # the stream kept flowing throughout
+        assert len(window) >= 10 and max(gaps) < 1.0, gaps  # the stream kept flowing throughout (0.2 s measured)
     finally:
         stop.set()
         thread.join(timeout=30)
@@ -579,7 +580,7 @@ def test_a_second_signal_exits_at_once(model_dir):
     finally:
         if process.poll() is None:
             process.kill()
-    assert exited_in < 0.5 and process.returncode == 128 + signal.SIGTERM, (exited_in, process.returncode)
+    assert exited_in < 1.5 and process.returncode == 128 + signal.SIGTERM, (exited_in, process.returncode)
     assert "SIGTERM again: exiting now" in process.stderr.read()
 
 
