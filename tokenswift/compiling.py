@@ -24,7 +24,7 @@ from typing import ClassVar
 
 import attrs
 
-from tokenswift import distributed
+from tokenswift import compile_costs, distributed
 from tokenswift.machine import machine_name
 from tokenswift.model.compiled import CompiledForward, CompileUnavailable, compiler_problem
 from tokenswift.records import CachedRecord, machine_key
@@ -51,6 +51,16 @@ TREE_FAR_CONTEXT = 8192
 # Zen 4, 2K positions: 2 / 4 tokens 15.8 / 17.6 ms compiled, `calibrate --compile`).
 TREE_SIZES = (2, 4, 8, 16, 32)
 KERNEL_TILE_ROWS = 16
+# compile = "auto" compiles tree graphs a run has not got only as far as their expected
+# compile time (:mod:`tokenswift.compile_costs`: warm or cold) fits this share of the
+# run's decode time: about half of what verifying trees gains a run where it gains
+# (compiled, 2K: 1.1-1.2x on an AMD EPYC Zen 4, 1.2-1.4x on a Sapphire Rapids), so that a
+# run repays what it compiles. Compiling every tree size the policy chose mid-run made the
+# README's 2,000-token job 0.73x `--preset ar` on a Zen 4 (25.8 s compiling against 8.0)
+# and a 16K prompt with a new RoPE factor 0.04x on a Sapphire Rapids. Sizes not compiled
+# run eagerly, and the cost model prices them so: the policy verifies them only where
+# that pays.
+TREE_COMPILE_SHARE = 0.1
 
 
 def tree_sizes_for(runner) -> tuple[int, ...]:
@@ -177,6 +187,7 @@ def measure_compile(runner, *, repeats: int = 5, tree_sizes: tuple[int, ...] | N
     contexts = measured_contexts(runner, COMPILE_CONTEXTS)
     runner.allocate(max(contexts) + max((1, *tree_sizes)) + 1)
     compiled = runner.use_compiled(True)
+    compiled.ledger_machine = machine_key(runner)
 
     def compile_now(step) -> float:
         """Run ``step`` compiled once (compiling its graphs unless done before); the seconds compiling took."""
@@ -196,6 +207,8 @@ def measure_compile(runner, *, repeats: int = 5, tree_sizes: tuple[int, ...] | N
 
     try:
         compile_seconds = compile_now(one_token_step(runner, contexts[0]))
+        if compile_seconds == 0.0:  # compiled earlier in this process: what that compile took
+            compile_seconds = compiled.graph_seconds.get(("forward", 1), 0.0) + compiled.graph_seconds.get(("logits", 1), 0.0)
         eager_ms, compiled_ms = zip(*(eager_vs_compiled(one_token_step(runner, context)) for context in contexts))
         runner.use_compiled_trees(tree_sizes)
         tree_steps = [tree_step(runner, contexts[-1], size) for size in tree_sizes]
@@ -294,8 +307,53 @@ def decide(
         runner.use_compiled(False)
     if runner.compiled is not None and calibration is None:  # auto has just measured it
         calibration = load_compile_calibration(runner)
-    runner.use_compiled_trees(tree_sizes(runner, choice, calibration))
+    if runner.compiled is not None:
+        runner.compiled.ledger_machine = machine_key(runner)
+    sizes = tree_sizes(runner, choice, calibration)
+    if choice == "auto" and sizes:
+        sizes = affordable_tree_sizes(runner, sizes, calibration, context=context, new_tokens=new_tokens)
+    runner.use_compiled_trees(sizes)
     return CompileDecision(compiled=runner.compiled is not None, calibration=calibration)
+
+
+def affordable_tree_sizes(
+    runner, sizes: tuple[int, ...], calibration: CompileCalibration | None, *, context: int, new_tokens: int
+) -> tuple[int, ...]:
+    """Of ``sizes``, the tree graphs a run of ``new_tokens`` at a mean ``context`` may
+    compile: those compiled in this process already (free), then, smallest first, each
+    whose expected compile time (:func:`tokenswift.compile_costs.expected_seconds`: warm
+    where the ledger has seen it compiled, else cold) still fits
+    :data:`TREE_COMPILE_SHARE` of the run's expected decode time."""
+    compiled = runner.compiled
+    if compiled is None:
+        return ()
+    step_seconds = calibration.milliseconds(context)[1] / 1000 if calibration is not None else 0.02
+    budget = TREE_COMPILE_SHARE * new_tokens * step_seconds
+    machine = machine_key(runner)
+    cold = calibration.tree_compile_seconds / len(calibration.tree_sizes) if calibration and calibration.tree_sizes else None
+
+    def expected(size: int) -> float:  # a size the calibration compiled is in inductor's cache
+        seen = calibration is not None and size in calibration.tree_sizes
+        return compile_costs.expected_seconds(compile_costs.graph_key(machine, "tree", size), seen=seen, cold_default=cold)
+
+    kept, spent = [], 0.0
+    for size in sorted(sizes):
+        if compiled.has_tree_graph(size):
+            kept.append(size)
+            continue
+        cost = expected(size)
+        if spent + cost <= budget:
+            kept.append(size)
+            spent += cost
+    left = sorted(set(sizes) - set(kept))
+    if left:
+        logger.info(
+            "compile = auto: tree forwards of %s tokens stay eager in this run (compiling them, ~%.0f s, "
+            "would not be repaid by %d tokens: %.1f s allowed)", left,
+            sum(expected(s) for s in left),
+            new_tokens, budget,
+        )
+    return tuple(kept)
 
 
 def compile_trees_now(runner, choice: str | bool = True) -> float:
@@ -357,10 +415,28 @@ def _auto_pays(runner, context: int, new_tokens: int, calibration: CompileCalibr
             return False
     saving = calibration.saving_seconds(context) * new_tokens
     compiled = CompiledForward.ready_for(runner.model)
-    pays = saving > 0 and (compiled or saving > calibration.compile_seconds)
+    cost = one_token_compile_seconds(runner, calibration)
+    pays = saving > 0 and (compiled or saving > cost)
     logger.info(
         "compile = auto: compiled one-token steps %s at %d positions (%.1f s saved over %d tokens%s)",
         "on" if pays else "off", context, saving, new_tokens,
-        "" if compiled else f", compiling costs ~{calibration.compile_seconds:.0f} s",
+        "" if compiled else f", compiling costs ~{cost:.0f} s",
     )
     return pays
+
+
+def one_token_compile_seconds(runner, calibration: CompileCalibration) -> float:
+    """What compiling the one-token graphs is expected to take now: warm or cold as the
+    compile ledger has seen them (:mod:`tokenswift.compile_costs`), the calibration's
+    measurement standing in for a cold compile never noted; the calibration compiled
+    them, so they are expected warm. (A calibration measured in a
+    process that had compiled already recorded 0 s, and every run then compiled: a
+    12-token run spent 15 s of its 23 s compiling on a Sapphire Rapids.)"""
+    machine = machine_key(runner)
+    cold = calibration.compile_seconds if calibration.compile_seconds > 0 else None
+    return sum(
+        compile_costs.expected_seconds(
+            compile_costs.graph_key(machine, graph, 1), seen=True, cold_default=cold if graph == "forward" else 0.5
+        )
+        for graph in ("forward", "logits")
+    )

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from tokenswift import compile_costs
 from tokenswift.model.linear import KernelLinears, linear_arguments
 from tokenswift.model.plan import EXTERNAL_KV_KWARG
 from tokenswift.paths import cache_dir
@@ -88,6 +89,26 @@ def compiler_problem(device: torch.device) -> str | None:
     return f"compiled forwards are not supported on {device.type}"
 
 
+def rope_scaling_as_input(model: torch.nn.Module) -> int:
+    """Make every rotary embedding's ``attention_scaling`` (a Python float: 1.0, or
+    YaRN's ``0.1 ln(factor) + 1``) a 0-d float32 buffer, so a compiled graph reads it
+    as an input, like ``inv_freq``, instead of baking it in as a constant: a RoPE factor
+    not seen before then finds every graph in inductor's cache. (A new factor compiled
+    every graph cold: ~75 s a tree size on a 2-core Sapphire Rapids, in the middle of a
+    16K-prompt run.) The product is the same: the rotary angles are float32 and a float
+    scalar multiplies a float32 tensor in float32. Returns how many modules it changed."""
+    changed = 0
+    for module in model.modules():
+        scaling = getattr(module, "attention_scaling", None)
+        if isinstance(scaling, (int, float)) and not isinstance(scaling, bool) and hasattr(module, "inv_freq"):
+            del module.attention_scaling
+            device = module.inv_freq.device
+            module.register_buffer("attention_scaling", torch.tensor(float(scaling), dtype=torch.float32, device=device),
+                                   persistent=False)
+            changed += 1
+    return changed
+
+
 def use_inductor_cache() -> None:
     """Keep inductor's compiled kernels under ``$TOKENSWIFT_CACHE/inductor`` (unless the
     user chose a place with ``TORCHINDUCTOR_CACHE_DIR``), so later processes reuse them."""
@@ -107,6 +128,7 @@ class CompiledForward:
         if problem is not None:
             raise CompileUnavailable(problem)
         use_inductor_cache()
+        rope_scaling_as_input(model)
         one_row = device.type == "cpu"
         mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
         self.kernel_linears = kernel_linears
@@ -159,6 +181,10 @@ class CompiledForward:
         self._tree_graphs: dict[int, object] = {}
         self._ready: set[tuple[str, int]] = set()  # (graph, new tokens) compiled
         self.compile_seconds = 0.0  # what compiling the graphs took (first calls)
+        self.graph_seconds: dict[tuple[str, int], float] = {}  # (graph, new tokens) -> its compile's seconds
+        # the machine key under which compiles are noted in the compile ledger
+        # (:mod:`tokenswift.compile_costs`; set by :func:`tokenswift.compiling.decide`), None: not noted
+        self.ledger_machine: str | None = None
         self.failure: CompileUnavailable | None = None  # why compiling failed, once it has
         self.device = device
 
@@ -179,6 +205,10 @@ class CompiledForward:
     def compiled(self) -> bool:
         """Both one-token graphs have been compiled."""
         return {("forward", 1), ("logits", 1)} <= self._ready
+
+    def has_graph(self, name: str, tokens: int) -> bool:
+        """Graph ``name`` ("forward", "logits", "tree") of ``tokens`` new tokens is compiled in this process."""
+        return (name, tokens) in self._ready
 
     def has_tree_graph(self, tokens: int) -> bool:
         """The forward of ``tokens`` (> 1) new tokens has been compiled in this process."""
@@ -211,13 +241,19 @@ class CompiledForward:
                            "up to ~2 minutes cold on a small CPU)")
         elif key[1] > 1:
             logger.warning("compiling the %d-token tree forward (once per process and size)", key[1])
+        hits, misses = compile_costs.cache_counts()
         try:
             out, seconds = first_compiled_call(graph, args)
         except CompileUnavailable as exc:
             self.failure = exc
             raise
         self.compile_seconds += seconds
+        self.graph_seconds[key] = seconds
         self._ready.add(key)
+        if self.ledger_machine is not None:
+            now_hits, now_misses = compile_costs.cache_counts()
+            warm = now_hits > hits and now_misses == misses
+            compile_costs.record(compile_costs.graph_key(self.ledger_machine, name, key[1]), seconds, warm)
         logger.info("compiled the %d-token %s in %.1f s", key[1], "forward" if name == "tree" else name, seconds)
         return out
 

@@ -1,0 +1,150 @@
+"""What compiling costs a run: graphs that do not depend on the RoPE factor, a ledger of
+cold and warm compiles, and ``compile = "auto"`` compiling only the tree graphs a run
+can repay (issue 56)."""
+
+import json
+import logging
+
+import pytest
+import torch
+
+from tokenswift import compile_costs
+from tokenswift.compiling import TREE_COMPILE_SHARE, CompileCalibration, affordable_tree_sizes
+from tokenswift.model import compiled as compiled_module
+from tokenswift.model.compiled import rope_scaling_as_input
+from tokenswift.model.loading import tiny_model
+from tokenswift.model.runner import Runner
+from tokenswift.records import machine_key
+from tokenswift.testing import TINY_CONFIGS
+
+needs_compiler = pytest.mark.skipif(
+    compiled_module.compiler_problem(torch.device("cpu")) is not None, reason="no C++ compiler for inductor"
+)
+
+
+@pytest.fixture
+def ledger_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOKENSWIFT_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def yarn_model(factor: float):
+    return tiny_model(TINY_CONFIGS["llama-gqa"], dtype="float32", rope={"type": "yarn", "factor": factor})
+
+
+def test_the_rope_scaling_as_a_buffer_changes_no_output():
+    model = yarn_model(2.5)
+    tokens = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.inference_mode():
+        before = model(tokens).logits
+        assert rope_scaling_as_input(model) == 1
+        after = model(tokens).logits
+    rotary = model.model.rotary_emb
+    assert isinstance(rotary.attention_scaling, torch.Tensor) and "attention_scaling" in dict(rotary.named_buffers())
+    assert float(rotary.attention_scaling) == pytest.approx(0.1 * torch.log(torch.tensor(2.5)).item() + 1, rel=1e-6)
+    assert torch.equal(before, after)
+    assert rope_scaling_as_input(model) == 0  # once
+
+
+@needs_compiler
+def test_a_rope_factor_not_seen_before_finds_the_compiled_graph_in_inductors_cache():
+    """The second factor's one-token graph is an FX graph cache hit: nothing compiled
+    cold (with the factor baked into the graph as a constant, it was a miss)."""
+    from torch._dynamo.utils import counters
+
+    def compile_one(factor):
+        runner = Runner(yarn_model(factor))
+        runner.use_compiled(True)
+        runner.allocate(16)
+        runner.prefill(torch.tensor([5, 6, 7, 8]))
+        hits, misses = compile_costs.cache_counts()
+        compiled = runner.forward(torch.tensor([3])).logits
+        runner.use_compiled(False)
+        eager = runner.forward(torch.tensor([3])).logits
+        torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
+        now_hits, now_misses = compile_costs.cache_counts()
+        return now_hits - hits, now_misses - misses
+
+    compile_one(1.5)
+    hits, misses = compile_one(3.25)
+    assert (hits, misses) == (2, 0)  # the forward and the LM-head row, both from the cache
+
+
+def test_the_ledger_tells_warm_compiles_from_cold_ones(ledger_home):
+    key = compile_costs.graph_key("machine", "tree", 4)
+    assert compile_costs.expected_seconds(key) == compile_costs.DEFAULT_COLD_SECONDS
+    assert compile_costs.expected_seconds(key, cold_default=40.0) == 40.0
+    assert compile_costs.expected_seconds(key, seen=True) == compile_costs.DEFAULT_WARM_SECONDS
+    compile_costs.record(key, 91.0, warm=False)
+    # seen compiled: inductor keeps its kernels, the next compile is warm
+    assert compile_costs.expected_seconds(key) == compile_costs.DEFAULT_WARM_SECONDS
+    compile_costs.record(compile_costs.graph_key("machine", "forward", 1), 6.0, warm=True)
+    assert compile_costs.expected_seconds(key) == 6.0  # the warm compiles measured here
+    compile_costs.record(key, 5.0, warm=True)
+    assert compile_costs.expected_seconds(key) == 5.0
+    other = compile_costs.graph_key("machine", "tree", 8)
+    assert compile_costs.expected_seconds(other) == 91.0  # never compiled: cold, as measured here
+    data = json.loads(compile_costs.ledger_path().read_text())
+    assert data[key] == {"cold": 91.0, "warm": 5.0}
+
+
+def test_a_broken_ledger_is_ignored_with_a_warning(ledger_home, caplog):
+    path = compile_costs.ledger_path()
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="tokenswift.compile_costs"):
+        assert compile_costs.expected_seconds("m/tree/4") == compile_costs.DEFAULT_COLD_SECONDS
+    assert "ignoring the compile ledger" in caplog.text
+    compile_costs.record("m/tree/4", 3.0, warm=True)  # and rewritten whole
+    assert compile_costs.expected_seconds("m/tree/4") == 3.0
+
+
+def _calibration(step_ms: float, sizes=(2, 4, 8)) -> CompileCalibration:
+    return CompileCalibration(
+        key="k", machine="m", contexts=(256, 2048), eager_ms=(30.0, 32.0), compiled_ms=(step_ms, step_ms),
+        compile_seconds=90.0, tree_sizes=sizes, tree_eager_ms=tuple(40.0 for _ in sizes),
+        tree_compiled_ms=tuple(20.0 for _ in sizes), tree_compile_seconds=90.0 * len(sizes),
+    )
+
+
+@needs_compiler
+def test_auto_compiles_only_the_tree_graphs_a_run_repays(ledger_home, monkeypatch, caplog):
+    runner = Runner(tiny_model(TINY_CONFIGS["llama-gqa"], dtype="float32"))
+    runner.use_compiled(True)
+    machine = machine_key(runner)
+    calibration = _calibration(step_ms=20.0)
+    for size, seconds in ((2, 4.0), (4, 5.0), (8, 6.0)):
+        compile_costs.record(compile_costs.graph_key(machine, "tree", size), seconds, warm=True)
+
+    def affordable(new_tokens):
+        return affordable_tree_sizes(runner, (2, 4, 8), calibration, context=2048, new_tokens=new_tokens)
+
+    # 20 ms a step: 2,000 tokens decode in 40 s, of which TREE_COMPILE_SHARE (4 s) may go to compiling
+    assert TREE_COMPILE_SHARE * 2000 * 0.020 == pytest.approx(4.0)
+    with caplog.at_level(logging.INFO, logger="tokenswift.compiling"):
+        assert affordable(2000) == (2,)
+    assert "stay eager in this run" in caplog.text
+    assert affordable(1000) == ()
+    assert affordable(4500) == (2, 4)
+    assert affordable(100_000) == (2, 4, 8)
+    # a graph this process compiled already costs nothing
+    monkeypatch.setattr(runner.compiled, "has_tree_graph", lambda size: size == 8)
+    assert affordable(1000) == (8,)
+    # never compiled here (nor by the calibration): expected cold, and not repaid
+    monkeypatch.setattr(runner.compiled, "has_tree_graph", lambda size: False)
+    assert affordable_tree_sizes(runner, (16,), calibration, context=2048, new_tokens=40_000) == ()  # 80 s < 90
+    assert affordable_tree_sizes(runner, (16,), calibration, context=2048, new_tokens=50_000) == (16,)
+
+
+@needs_compiler
+def test_a_compile_is_noted_in_the_ledger(ledger_home):
+    runner = Runner(tiny_model(TINY_CONFIGS["llama-gqa"], dtype="float32", seed=7))
+    compiled = runner.use_compiled(True)
+    compiled.ledger_machine = "this-machine"
+    runner.allocate(16)
+    runner.prefill(torch.tensor([5, 6, 7, 8]))
+    runner.forward(torch.tensor([3]))
+    data = json.loads(compile_costs.ledger_path().read_text())
+    entry = data["this-machine/forward/1"]
+    assert set(entry) <= {"warm", "cold"} and len(entry) == 1 and next(iter(entry.values())) > 0
+    assert compiled.graph_seconds[("forward", 1)] == pytest.approx(next(iter(entry.values())), abs=0.01)
