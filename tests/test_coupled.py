@@ -29,6 +29,28 @@ def test_the_noise_is_fixed_by_seed_and_position_alone():
     assert abs(float(many.mean()) - 0.5772) < 0.02 and abs(float(many.var()) - 1.6449) < 0.05  # standard Gumbel
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**64 - 1), position=st.integers(0, 10**6), vocab=st.integers(1, 300),
+    kept=st.floats(0.0, 1.0), ties=st.booleans(),
+)
+def test_a_draw_over_the_kept_tokens_is_the_argmax_over_the_whole_vocabulary(seed, position, vocab, kept, ties):
+    """The draw sums noise and scores for the tokens the warpers kept only: the same
+    token as ``argmax(scores + G)`` over every token (filtered ones at -inf, a tie to the
+    lowest id), whatever is kept."""
+    generator = torch.Generator().manual_seed(position)
+    scores = torch.randn(vocab, generator=generator, dtype=torch.float64)
+    if ties:
+        scores = scores.round()  # equal scores: only the noise tells them apart
+    filtered = torch.rand(vocab, generator=generator) >= kept
+    filtered[int(torch.randint(vocab, (1,), generator=generator))] = False  # at least one kept
+    scores[filtered] = -float("inf")
+    sampler = CoupledSampler(seed)
+    expected = int((scores + sampler.noise(position, vocab)).argmax())
+    assert sampler.draw(scores, position) == expected
+    assert sampler.draw(scores.float(), position) == int((scores.float().double() + sampler.noise(position, vocab)).argmax())
+
+
 def test_draws_at_different_positions_are_independent():
     """Reused noise (the same G at every position) would make the two draws equal."""
     scores = torch.zeros(4, dtype=torch.float64)  # uniform over 4 tokens
