@@ -336,22 +336,17 @@ def affordable_tree_sizes(
         seen = calibration is not None and size in calibration.tree_sizes
         return compile_costs.expected_seconds(compile_costs.graph_key(machine, "tree", size), seen=seen, cold_default=cold)
 
+    costs = {size: 0.0 if compiled.has_tree_graph(size) else expected(size) for size in sorted(sizes)}
     kept, spent = [], 0.0
-    for size in sorted(sizes):
-        if compiled.has_tree_graph(size):
-            kept.append(size)
-            continue
-        cost = expected(size)
+    for size, cost in costs.items():
         if spent + cost <= budget:
             kept.append(size)
             spent += cost
-    left = sorted(set(sizes) - set(kept))
+    left = [size for size in costs if size not in kept]
     if left:
         logger.info(
             "compile = auto: tree forwards of %s tokens stay eager in this run (compiling them, ~%.0f s, "
-            "would not be repaid by %d tokens: %.1f s allowed)", left,
-            sum(expected(s) for s in left),
-            new_tokens, budget,
+            "would not be repaid by %d tokens: %.1f s allowed)", left, sum(costs[s] for s in left), new_tokens, budget,
         )
     return tuple(kept)
 
@@ -415,7 +410,7 @@ def _auto_pays(runner, context: int, new_tokens: int, calibration: CompileCalibr
             return False
     saving = calibration.saving_seconds(context) * new_tokens
     compiled = CompiledForward.ready_for(runner.model)
-    cost = one_token_compile_seconds(runner, calibration)
+    cost = one_token_compile_seconds(runner)
     pays = saving > 0 and (compiled or saving > cost)
     logger.info(
         "compile = auto: compiled one-token steps %s at %d positions (%.1f s saved over %d tokens%s)",
@@ -425,18 +420,12 @@ def _auto_pays(runner, context: int, new_tokens: int, calibration: CompileCalibr
     return pays
 
 
-def one_token_compile_seconds(runner, calibration: CompileCalibration) -> float:
-    """What compiling the one-token graphs is expected to take now: warm or cold as the
-    compile ledger has seen them (:mod:`tokenswift.compile_costs`), the calibration's
-    measurement standing in for a cold compile never noted; the calibration compiled
-    them, so they are expected warm. (A calibration measured in a
-    process that had compiled already recorded 0 s, and every run then compiled: a
-    12-token run spent 15 s of its 23 s compiling on a Sapphire Rapids.)"""
+def one_token_compile_seconds(runner) -> float:
+    """What compiling the one-token graphs is expected to take now: warm, since the
+    calibration compiled them (inductor keeps their kernels), at what the compile ledger
+    measured (:mod:`tokenswift.compile_costs`). (The calibration's own figure was 0 s
+    where it was measured in a process that had compiled already, and every run then
+    compiled: a 12-token run spent 15 s of its 23 s compiling on a Sapphire Rapids.)"""
     machine = machine_key(runner)
-    cold = calibration.compile_seconds if calibration.compile_seconds > 0 else None
-    return sum(
-        compile_costs.expected_seconds(
-            compile_costs.graph_key(machine, graph, 1), seen=True, cold_default=cold if graph == "forward" else 0.5
-        )
-        for graph in ("forward", "logits")
-    )
+    return sum(compile_costs.expected_seconds(compile_costs.graph_key(machine, graph, 1), seen=True)
+               for graph in ("forward", "logits"))

@@ -206,10 +206,6 @@ class CompiledForward:
         """Both one-token graphs have been compiled."""
         return {("forward", 1), ("logits", 1)} <= self._ready
 
-    def has_graph(self, name: str, tokens: int) -> bool:
-        """Graph ``name`` ("forward", "logits", "tree") of ``tokens`` new tokens is compiled in this process."""
-        return (name, tokens) in self._ready
-
     def has_tree_graph(self, tokens: int) -> bool:
         """The forward of ``tokens`` (> 1) new tokens has been compiled in this process."""
         return ("tree", tokens) in self._ready
