@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tokenswift import compile_costs
-from tokenswift.compiling import TREE_COMPILE_SHARE, CompileCalibration, affordable_tree_sizes
+from tokenswift.compiling import TREE_COMPILE_SHARE, CompileCalibration, affordable_tree_sizes, one_token_compile_seconds
 from tokenswift.model import compiled as compiled_module
 from tokenswift.model.compiled import rope_scaling_as_input
 from tokenswift.model.loading import tiny_model
@@ -148,3 +148,12 @@ def test_a_compile_is_noted_in_the_ledger(ledger_home):
     entry = data["this-machine/forward/1"]
     assert set(entry) <= {"warm", "cold"} and len(entry) == 1 and next(iter(entry.values())) > 0
     assert compiled.graph_seconds[("forward", 1)] == pytest.approx(next(iter(entry.values())), abs=0.01)
+
+
+def test_the_one_token_graphs_are_priced_as_the_forwards_warm_compile(ledger_home):
+    """The calibration compiled them, so warm; the LM-head row's graph (~0.1 s) adds
+    nothing, where pricing it at the ledger's median warm compile doubled the cost."""
+    runner = Runner(tiny_model(TINY_CONFIGS["llama-gqa"], dtype="float32"))
+    assert one_token_compile_seconds(runner) == compile_costs.DEFAULT_WARM_SECONDS
+    compile_costs.record(compile_costs.graph_key(machine_key(runner), "forward", 1), 6.5, warm=True)
+    assert one_token_compile_seconds(runner) == 6.5
