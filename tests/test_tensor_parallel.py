@@ -29,6 +29,14 @@ def rank_log(log_dir: Path, rank: int, stream: str) -> str:
     return path.read_text()
 
 
+def failure_report(done, log_dir: Path) -> str:
+    """torchrun's own stderr says only that a rank died; what the ranks printed says why."""
+    ranks = [f"--- rank {r} {s} ---\n{path.read_text()[-2000:]}"
+             for r in (0, 1) for s in ("stderr", "stdout")
+             for path in log_dir.glob(f"**/attempt_0/{r}/{s}.log")]
+    return "\n".join([done.stderr[-2000:], *ranks])
+
+
 def test_two_processes_generate_what_one_process_generates(model_dir, tmp_path):
     out = tmp_path / "tp"
     worker = Path(__file__).with_name("tp_worker.py")
@@ -56,7 +64,7 @@ def test_cli_under_torchrun_writes_from_rank_0_only(model_dir, tmp_path):
 
     out, logs = tmp_path / "tp.txt", tmp_path / "logs"
     done = torchrun("-m", "tokenswift.cli", *common, "--out", str(out), log_dir=logs)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, failure_report(done, logs)
     assert out.read_text() == single_out.read_text() and out.read_text().strip()
     assert json.loads(Path(f"{out}.ckpt").read_text())["tokens"] == json.loads(Path(f"{single_out}.ckpt").read_text())["tokens"]
     assert "new_tokens=40" in rank_log(logs, 0, "stderr")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -53,9 +54,23 @@ def launched() -> bool:
     return world_size() > 1
 
 
+SHUTDOWN_WAIT = timedelta(seconds=60)
+
+
 def _shutdown() -> None:
-    if _group_running():
-        dist.destroy_process_group()
+    """Meet the other ranks, then close the group: no rank tears its sockets down while
+    another is still finishing (a peer's gloo connection closed under it aborts the
+    process). A rank that never arrives (it failed) is waited for ``SHUTDOWN_WAIT`` at most."""
+    if not _group_running():
+        return
+    try:
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=SHUTDOWN_WAIT)
+        else:
+            dist.barrier()
+    except Exception as err:  # a rank failed; closing is all that is left to do
+        logger.warning("rank %d: not every rank reached the end of the run (%s)", rank(), err)
+    dist.destroy_process_group()
 
 
 def init(device: torch.device) -> None:
