@@ -4,7 +4,7 @@ compile time counted, against ``ar`` run the same way.
 
     python benchmarks/as_users_run.py [--presets ar,eagle,tokenswift,medusa,prompt-lookup]
         [--context 2048] [--new-tokens 512] [--decodings sampling,greedy] [--rope-factor F]
-        [--out FILE]
+        [--rounds 1] [--out FILE]
 
 The prompt is the first ``--context`` tokens of the bundled held-out text. Each run is
 ``python -c`` in a new interpreter (so no graph, calibration or drafter survives from the
@@ -12,7 +12,10 @@ one before), timed around ``generate`` as a user would time it; the model load i
 counted. ``--rope-factor``: YaRN scaling of that factor (a factor no graph has seen
 exercises the compile caches as a long-prompt user meets them). Prints each run's
 tokens/s, its ratio to ``ar`` with the same decoding, its compile seconds and tokens per
-step, and the text's health; ``--out`` writes them as JSON.
+step, and the text's health; ``--out`` writes them as JSON. ``--rounds N`` runs the presets
+in turns N times (ar, A, B, ar, A, B, ...), each ratio against the ``ar`` run of its own
+round, and logs each preset's median ratio: on a shared 2-core host ``ar`` alone varied
+by 10% between fresh processes minutes apart.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -71,6 +75,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=512)
     parser.add_argument("--decodings", default="sampling,greedy")
     parser.add_argument("--rope-factor", type=float, default=0.0)
+    parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -81,21 +86,30 @@ def main() -> None:
     bad = [d for d in decodings if d not in ("sampling", "greedy")]
     if bad:
         parser.error(f"--decodings {bad}: valid are sampling, greedy")
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: give 1 or more")
     results = []
     for decoding in decodings:
-        by_preset = {}
-        for preset in presets:
-            r = run_one(preset, args.context, args.new_tokens, decoding, args.rope_factor)
-            by_preset[preset] = r
-            results.append({**r, "decoding": decoding})
-        ar = by_preset["ar"]["tokens_per_second"]
-        for preset, r in by_preset.items():
-            r["ratio_to_ar"] = r["tokens_per_second"] / ar
-            logger.info(
-                "%-8s %-13s %6.2f tok/s  %.2fx ar  compile %5.1f s  %.2f tok/step  distinct-4 %s  self-NLL %s",
-                decoding, preset, r["tokens_per_second"], r["ratio_to_ar"], r["compile_seconds"] or 0.0,
-                r["tokens_per_step"] or 0.0, r["distinct_4"], r["recent_self_nll"],
-            )
+        ratios: dict[str, list[float]] = {}
+        for round_ in range(args.rounds):
+            by_preset = {}
+            for preset in presets:
+                r = run_one(preset, args.context, args.new_tokens, decoding, args.rope_factor)
+                by_preset[preset] = r
+            ar = by_preset["ar"]["tokens_per_second"]
+            for preset, r in by_preset.items():
+                r["ratio_to_ar"] = r["tokens_per_second"] / ar
+                ratios.setdefault(preset, []).append(r["ratio_to_ar"])
+                results.append({**r, "decoding": decoding, "round": round_})
+                logger.info(
+                    "%-8s %-13s %6.2f tok/s  %.2fx ar  compile %5.1f s  %.2f tok/step  distinct-4 %s  self-NLL %s",
+                    decoding, preset, r["tokens_per_second"], r["ratio_to_ar"], r["compile_seconds"] or 0.0,
+                    r["tokens_per_step"] or 0.0, r["distinct_4"], r["recent_self_nll"],
+                )
+        if args.rounds > 1:
+            for preset, values in ratios.items():
+                logger.info("%-8s %-13s median %.3fx ar over %d rounds (%s)", decoding, preset,
+                            statistics.median(values), len(values), ", ".join(f"{v:.3f}" for v in values))
     report = {"machine": machine_name(torch.device("cpu")), "context": args.context, "new_tokens": args.new_tokens,
               "rope_factor": args.rope_factor, "runs": results}
     if args.out is not None:

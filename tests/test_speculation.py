@@ -14,6 +14,7 @@ from tokenswift import Pipeline, SpecError
 from tokenswift.calibration import Calibration, calibrate, calibration_for, load_calibration
 from tokenswift.costs import CostModel
 from tokenswift.interfaces import Verdict
+from tokenswift.scoring import FEW_PRODUCT_ROWS, ONE_PRODUCT_ROWS
 from tokenswift.speculation import AcceptanceTracker, AutoSpeculator, DraftGate, RateChooser, StepFacts, choose
 from tokenswift.testing import assert_lossless, looping_model, tiny_model_for
 from tokenswift.tree import DRAFTER, RETRIEVER, Branch, DraftTree
@@ -67,6 +68,18 @@ def test_calibration_of_a_tiny_model_is_measured_cached_and_reloaded(tmp_path, m
     other = Pipeline.from_spec("ar", tiny_model_for("llama-gqa", "float64"))
     assert load_calibration(other.runner) is None  # another dtype, another calibration
     assert pipe.runner.store is None or pipe.runner.store.length == 0
+    assert measured.head_few_rows_ms is not None and measured.head_few_rows_ms > 0
+
+
+def test_a_cached_calibration_without_the_few_rows_product_gets_it_measured_not_the_rest(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOKENSWIFT_CACHE", str(tmp_path))
+    pipe = Pipeline.from_spec("ar", tiny_model_for("llama-gqa", "float32"))
+    old = attrs.evolve(calibration_for(pipe.runner, pipe.scorer), head_few_rows_ms=None, score_ms=123.0)
+    old.save()  # as a calibration from before the field was written
+    monkeypatch.setattr("tokenswift.calibration.calibrate", lambda *a, **k: pytest.fail("measured anew"))
+    filled = calibration_for(pipe.runner, pipe.scorer)
+    assert filled.score_ms == 123.0 and filled.head_few_rows_ms is not None and filled.head_few_rows_ms > 0
+    assert load_calibration(pipe.runner) == filled  # saved
 
 
 def test_calibration_stops_at_node_counts_too_expensive_to_verify():
@@ -176,6 +189,19 @@ def test_where_many_head_rows_cost_one_the_choice_prices_one_product_and_verifie
     assert priced_once.likeliest(2) == [1, 2] and priced_once.likeliest(11) == [1, 2, 4]  # by chance: 0.6, 0.36, 0.3
 
 
+def test_where_only_a_few_head_rows_cost_one_a_step_takes_that_few_in_one_product():
+    """12 rows dear but FEW_PRODUCT_ROWS rows at the cost of one (the few-rows kernel on
+    a Zen 4): the product takes that many rows and is priced at what they cost."""
+    base = calibration(3.0, score_ms=4.0)
+    few = CostModel(attrs.evolve(base, head_ms=2.0, head_rows_ms=4.9, head_few_rows_ms=2.1))
+    assert few.one_product_rows == FEW_PRODUCT_ROWS == 4
+    assert few.scoring_seconds(3.0) == pytest.approx((2.1 + 2.0 * 3.0) / 1000)
+    dear = CostModel(attrs.evolve(base, head_ms=2.0, head_rows_ms=4.9, head_few_rows_ms=3.5))
+    assert dear.one_product_rows == 0
+    both = CostModel(attrs.evolve(base, head_ms=2.0, head_rows_ms=2.2, head_few_rows_ms=2.1))
+    assert both.one_product_rows == ONE_PRODUCT_ROWS  # the wider product where it is cheap too
+
+
 def test_a_step_scores_its_likeliest_nodes_in_one_head_product(monkeypatch):
     """With a calibration that says so, every step computes the LM-head rows of the
     nodes it visits in one product (a node outside the first would take a second),
@@ -190,7 +216,7 @@ def test_a_step_scores_its_likeliest_nodes_in_one_head_product(monkeypatch):
     for wide in (False, True):
         pipe = Pipeline.from_spec(spec, model)
         pipe._costs = CostModel(attrs.evolve(calibration(0.0, score_ms=2.0), head_ms=1.0,
-                                             head_rows_ms=1.1 if wide else 10.0))
+                                             head_rows_ms=1.1 if wide else 10.0, head_few_rows_ms=10.0))
         products, logits = [], pipe.runner.logits
         monkeypatch.setattr(pipe.runner, "logits", lambda hidden: products.append(len(hidden)) or logits(hidden))
         results[wide] = pipe.generate(prompt, 60, seed=3, ignore_eos=True), products

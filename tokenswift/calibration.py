@@ -25,7 +25,7 @@ import torch
 from tokenswift.machine import machine_name
 from tokenswift.records import CALIBRATION_FORMAT, CachedRecord, machine_key
 from tokenswift.sampling import make_sampler
-from tokenswift.scoring import ONE_PRODUCT_ROWS
+from tokenswift.scoring import FEW_PRODUCT_ROWS, ONE_PRODUCT_ROWS
 from tokenswift.timing import chain_forward, interleaved_ms, least_ms, measured_contexts
 
 logger = logging.getLogger(__name__)
@@ -63,6 +63,7 @@ class Calibration(CachedRecord):
     # rows in one product (tokenswift.costs.CostModel.scoring_seconds).
     head_ms: float | None = None
     head_rows_ms: float | None = None
+    head_few_rows_ms: float | None = None  # FEW_PRODUCT_ROWS rows (None: from before it was measured)
 
     def forward_seconds(self, nodes: int, context: int) -> float:
         """Seconds of a verify forward of ``nodes`` new tokens over ``context`` positions:
@@ -183,6 +184,7 @@ def calibrate(runner, scorer, *, max_nodes: int = NODE_COUNTS[-1], progress=None
     rows = hidden.expand(ONE_PRODUCT_ROWS, -1).contiguous()
     head_ms = least_ms(lambda: runner.logits(hidden), max(3, repeats))
     head_rows_ms = least_ms(lambda: runner.logits(rows), max(3, repeats))
+    head_few_rows_ms = few_rows_ms(runner, max(3, repeats))
     calibration = Calibration(
         key=machine_key(runner),
         machine=machine_name(runner.device),
@@ -198,6 +200,7 @@ def calibrate(runner, scorer, *, max_nodes: int = NODE_COUNTS[-1], progress=None
         score_ms=round(score_ms, 3),
         head_ms=round(head_ms, 3),
         head_rows_ms=round(head_rows_ms, 3),
+        head_few_rows_ms=round(head_few_rows_ms, 3),
         linears_ms=linears_ms,
         seconds=round(time.perf_counter() - started, 2),
     )
@@ -213,11 +216,23 @@ def load_calibration(runner) -> Calibration | None:
     return Calibration.load(machine_key(runner))
 
 
+def few_rows_ms(runner, repeats: int) -> float:
+    """The LM head's product of :data:`~tokenswift.scoring.FEW_PRODUCT_ROWS` rows, ms
+    (least of ``repeats``)."""
+    rows = torch.zeros(FEW_PRODUCT_ROWS, runner.config.hidden_size, dtype=runner.dtype, device=runner.device)
+    return least_ms(lambda: runner.logits(rows), repeats)
+
+
 def calibration_for(runner, scorer, *, refresh: bool = False) -> Calibration:
-    """The cached calibration, or a new one (measured once, then cached)."""
+    """The cached calibration, or a new one (measured once, then cached). A cached one
+    from before the few-rows product was measured gets it measured (milliseconds) and
+    saved, rather than the whole calibration again."""
     calibration = None if refresh else load_calibration(runner)
     if calibration is None:
         logger.warning("measuring this machine's forward costs once for %s (cached for next time)", runner.dtype)
         calibration = calibrate(runner, scorer)
+        calibration.save()
+    elif calibration.head_ms is not None and calibration.head_few_rows_ms is None:
+        calibration = attrs.evolve(calibration, head_few_rows_ms=round(few_rows_ms(runner, 5), 3))
         calibration.save()
     return calibration

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from tokenswift.calibration import Calibration
 from tokenswift.compiling import CompileCalibration
-from tokenswift.scoring import ONE_PRODUCT_ROWS
+from tokenswift.scoring import FEW_PRODUCT_ROWS, ONE_PRODUCT_ROWS
 
 # The most a product of ONE_PRODUCT_ROWS head rows may cost, against one row, for a
 # step to compute them together (measured 1.12x with the few-rows kernel on a Sapphire
@@ -86,12 +86,24 @@ class CostModel:
         """How many LM-head rows a step computes in one product, its likeliest nodes'
         with the root's: :data:`~tokenswift.scoring.ONE_PRODUCT_ROWS` where the
         calibration measured that many rows at most :data:`WIDE_HEAD_SLACK` times one
-        row (a kernel that reads the head once for all rows), else 0 (the likely path
-        alone, :meth:`~tokenswift.speculation.Choice.likely_path`: where products of
-        several rows are dear, as bfloat16 through PyTorch on AVX2)."""
+        row (a kernel that reads the head once for all rows), else
+        :data:`~tokenswift.scoring.FEW_PRODUCT_ROWS` where that many are (a kernel that
+        reads it once for a few rows), else 0 (the likely path alone,
+        :meth:`~tokenswift.speculation.Choice.likely_path`: where products of several
+        rows are dear, as bfloat16 through PyTorch on AVX2)."""
         c = self.calibration
-        wide = c.head_ms is not None and c.head_rows_ms is not None and c.head_rows_ms <= WIDE_HEAD_SLACK * c.head_ms
-        return ONE_PRODUCT_ROWS if wide else 0
+        if c.head_ms is None:
+            return 0
+        if c.head_rows_ms is not None and c.head_rows_ms <= WIDE_HEAD_SLACK * c.head_ms:
+            return ONE_PRODUCT_ROWS
+        if c.head_few_rows_ms is not None and c.head_few_rows_ms <= WIDE_HEAD_SLACK * c.head_ms:
+            return FEW_PRODUCT_ROWS
+        return 0
+
+    def _product_ms(self) -> float:
+        """What the product of :attr:`one_product_rows` rows costs, ms."""
+        c = self.calibration
+        return c.head_rows_ms if self.one_product_rows == ONE_PRODUCT_ROWS else c.head_few_rows_ms
 
     def scoring_seconds(self, expected: float) -> float:
         """Scoring the ``expected`` nodes a step visits (the root, then each accepted
@@ -100,7 +112,7 @@ class CostModel:
         c = self.calibration
         if not self.one_product_rows:
             return c.score_ms * expected / 1000 * self.scale
-        return (c.head_rows_ms + max(c.score_ms - c.head_ms, 0.0) * expected) / 1000 * self.scale
+        return (self._product_ms() + max(c.score_ms - c.head_ms, 0.0) * expected) / 1000 * self.scale
 
     def observe_forward(self, nodes: int, context: int, seconds: float) -> None:
         predicted = self._predicted(nodes, context)

@@ -98,6 +98,13 @@ class Scorer:
 # second product for a node outside the first costs a whole one. Whether a machine's
 # products are such is measured (:attr:`tokenswift.calibration.Calibration.head_rows_ms`).
 ONE_PRODUCT_ROWS = 12
+# The rows of the smaller product a machine whose 12-row product is dear may still take
+# at the cost of one: a root, its likeliest child and grandchild, one more. The few-rows
+# kernel on a 2-core AMD EPYC Zen 4 (SmolLM2-135M's head, bfloat16, least of 30):
+# 1.32 / 1.27 / 1.32 / 0.95 / 1.55 / 2.18 / 2.28 ms for 1 / 2 / 3 / 4 / 6 / 8 / 12 rows;
+# there a greedy ``eagle`` step ran 1.63 products (152 in 93 steps), one row and the
+# likely path's at a time.
+FEW_PRODUCT_ROWS = 4
 
 
 class NodeScores:

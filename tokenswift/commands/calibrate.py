@@ -44,11 +44,14 @@ def run(args, argv: list[str] | None = None) -> int:
     print(f"scoring one node: {calibration.score_ms:.2f} ms")
     if calibration.head_ms is not None and calibration.head_rows_ms is not None:
         from tokenswift.costs import CostModel
-        from tokenswift.scoring import ONE_PRODUCT_ROWS
+        from tokenswift.scoring import FEW_PRODUCT_ROWS, ONE_PRODUCT_ROWS
 
-        together = "yes" if CostModel(calibration).one_product_rows else "no, the likely path's rows only"
+        rows = CostModel(calibration).one_product_rows
+        together = f"{rows} rows" if rows else "no, the likely path's rows only"
+        few = ("" if calibration.head_few_rows_ms is None
+               else f", {calibration.head_few_rows_ms:.2f} for {FEW_PRODUCT_ROWS}")
         print(f"LM head product: {calibration.head_ms:.2f} ms for one row, {calibration.head_rows_ms:.2f} for "
-              f"{ONE_PRODUCT_ROWS} (a step's likeliest nodes scored in one product: {together})")
+              f"{ONE_PRODUCT_ROWS}{few} (a step's likeliest nodes scored in one product: {together})")
     print("verify forward, ms, by new tokens (columns) and context length (rows):")
     print(calibration.table())
     print(f"took {calibration.seconds:.1f} s; cached in {Calibration.path(calibration.key)}", file=sys.stderr)
