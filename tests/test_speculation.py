@@ -213,17 +213,20 @@ def test_a_step_scores_its_likeliest_nodes_in_one_head_product(monkeypatch):
             "speculation": {"max_nodes": 11, "plain_guard": False}}  # the made-up costs alone decide
     prompt = [5, 9, 17, 3] * 3  # the looping model repeats it: n-grams hit
     results = {}
-    for wide in (False, True):
+    timings = {"narrow": (10.0, 10.0), "few": (10.0, 1.1), "wide": (1.1, 10.0)}  # ms of 12 rows, of 4 rows
+    for name, (rows_ms, few_ms) in timings.items():
         pipe = Pipeline.from_spec(spec, model)
         pipe._costs = CostModel(attrs.evolve(calibration(0.0, score_ms=2.0), head_ms=1.0,
-                                             head_rows_ms=1.1 if wide else 10.0, head_few_rows_ms=10.0))
+                                             head_rows_ms=rows_ms, head_few_rows_ms=few_ms))
         products, logits = [], pipe.runner.logits
-        monkeypatch.setattr(pipe.runner, "logits", lambda hidden: products.append(len(hidden)) or logits(hidden))
-        results[wide] = pipe.generate(prompt, 60, seed=3, ignore_eos=True), products
-    (narrow, narrow_products), (wide, wide_products) = results[False], results[True]
-    assert wide.tokens == narrow.tokens and wide.stats.accepted_tokens > 10
+        monkeypatch.setattr(pipe.runner, "logits", lambda hidden, products=products, logits=logits:
+                            products.append(len(hidden)) or logits(hidden))
+        results[name] = pipe.generate(prompt, 60, seed=3, ignore_eos=True), products
+    (narrow, narrow_products), (few, few_products), (wide, wide_products) = results.values()
+    assert wide.tokens == narrow.tokens == few.tokens and wide.stats.accepted_tokens > 10
     assert len(wide_products) == wide.stats.steps < len(narrow_products)  # one product a step
     assert max(wide_products) > 4  # more than the likely path's rows
+    assert max(few_products) == FEW_PRODUCT_ROWS  # the root's and its 3 likeliest nodes'
 
 
 def test_gate_backs_off_while_proposing_does_not_pay_and_resumes_when_it_does():
