@@ -181,10 +181,9 @@ def calibrate(runner, scorer, *, max_nodes: int = NODE_COUNTS[-1], progress=None
     hidden = torch.zeros(1, runner.config.hidden_size, dtype=runner.dtype, device=runner.device)
     context_ids = scorer.context(list(range(min(scorer.window, 64))), device=runner.device)
     score_ms = least_ms(lambda: sampler.draw(scorer(context_ids, runner.logits(hidden))[0], 0), max(3, repeats))
-    rows = hidden.expand(ONE_PRODUCT_ROWS, -1).contiguous()
-    head_ms = least_ms(lambda: runner.logits(hidden), max(3, repeats))
-    head_rows_ms = least_ms(lambda: runner.logits(rows), max(3, repeats))
-    head_few_rows_ms = few_rows_ms(runner, max(3, repeats))
+    head_ms, head_rows_ms, head_few_rows_ms = (
+        head_product_ms(runner, rows, max(3, repeats)) for rows in (1, ONE_PRODUCT_ROWS, FEW_PRODUCT_ROWS)
+    )
     calibration = Calibration(
         key=machine_key(runner),
         machine=machine_name(runner.device),
@@ -216,11 +215,10 @@ def load_calibration(runner) -> Calibration | None:
     return Calibration.load(machine_key(runner))
 
 
-def few_rows_ms(runner, repeats: int) -> float:
-    """The LM head's product of :data:`~tokenswift.scoring.FEW_PRODUCT_ROWS` rows, ms
-    (least of ``repeats``)."""
-    rows = torch.zeros(FEW_PRODUCT_ROWS, runner.config.hidden_size, dtype=runner.dtype, device=runner.device)
-    return least_ms(lambda: runner.logits(rows), repeats)
+def head_product_ms(runner, rows: int, repeats: int) -> float:
+    """The LM head's product of ``rows`` rows, ms (least of ``repeats``)."""
+    hidden = torch.zeros(rows, runner.config.hidden_size, dtype=runner.dtype, device=runner.device)
+    return least_ms(lambda: runner.logits(hidden), repeats)
 
 
 def calibration_for(runner, scorer, *, refresh: bool = False) -> Calibration:
@@ -233,6 +231,6 @@ def calibration_for(runner, scorer, *, refresh: bool = False) -> Calibration:
         calibration = calibrate(runner, scorer)
         calibration.save()
     elif calibration.head_ms is not None and calibration.head_few_rows_ms is None:
-        calibration = attrs.evolve(calibration, head_few_rows_ms=round(few_rows_ms(runner, 5), 3))
+        calibration = attrs.evolve(calibration, head_few_rows_ms=round(head_product_ms(runner, FEW_PRODUCT_ROWS, 5), 3))
         calibration.save()
     return calibration
