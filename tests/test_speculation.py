@@ -54,6 +54,42 @@ def test_cost_model_interpolates_extrapolates_and_follows_what_it_observes():
     assert costs.forward_seconds(4, 64) == pytest.approx(0.032, rel=0.01)  # the curve's shape is kept
 
 
+def test_cost_model_corrects_the_curve_per_size_from_what_the_run_measures():
+    """Where a size's forwards take longer than the curve says relative to the others (an
+    8-token tree at 1.5x its price, one token as calibrated), that size is priced as
+    measured, apart from the machine's drift; sizes between are interpolated, and a size
+    seen fewer than SIZE_SEEN times is not corrected yet."""
+    from tokenswift.costs import SIZE_SEEN
+
+    costs = CostModel(calibration(2.0))  # 1 token 10 ms, 4 tokens 16, 8 tokens 24 (at 64 positions)
+    for _ in range(SIZE_SEEN - 1):
+        costs.observe_forward(8, 64, 0.036)
+    assert costs.size_factor(8) == 1.0  # not seen often enough
+    for _ in range(60):
+        costs.observe_forward(1, 64, 0.010)
+        costs.observe_forward(8, 64, 0.036)
+    assert costs.forward_seconds(1, 64) == pytest.approx(0.010, rel=0.03)
+    assert costs.forward_seconds(8, 64) == pytest.approx(0.036, rel=0.03)
+    assert costs.forward_seconds(4, 64) == pytest.approx(0.016 * (1 + 0.5 * 3 / 7), rel=0.03)  # between
+    assert costs.forward_seconds(16, 64) / costs.forward_seconds(8, 64) == pytest.approx(40 / 24, rel=0.01)  # beyond: as 8
+    for _ in range(200):  # the machine slows down by half: every size follows, the shape stays
+        costs.observe_forward(1, 64, 0.015)
+        costs.observe_forward(8, 64, 0.054)
+    assert costs.forward_seconds(4, 64) == pytest.approx(0.024 * (1 + 0.5 * 3 / 7), rel=0.03)
+
+
+def test_a_size_measured_dear_moves_the_choice_to_smaller_trees():
+    tracker = AcceptanceTracker()
+    tree = tree_with([0.9, 0.6, 0.5, 0.4, 0.3, 0.3, 0.3, 0.3])
+    costs = CostModel(calibration(0.5))
+    assert len(choose(tree, tracker, costs, 64, max_nodes=64).keep) == 9  # trees priced cheap: all of it
+    for _ in range(40):  # but 8 drafted nodes (9 tokens) measure twice their price, 1-4 tokens as priced
+        for nodes in (1, 4):
+            costs.observe_forward(nodes, 64, costs.calibration.forward_seconds(nodes, 64))
+        costs.observe_forward(9, 64, 2 * costs.calibration.forward_seconds(9, 64))
+    assert len(choose(tree, tracker, costs, 64, max_nodes=64).keep) < 9
+
+
 def test_calibration_of_a_tiny_model_is_measured_cached_and_reloaded(tmp_path, monkeypatch):
     monkeypatch.setenv("TOKENSWIFT_CACHE", str(tmp_path))
     pipe = Pipeline.from_spec("ar", tiny_model_for("llama-gqa", "float32"))
