@@ -2,6 +2,7 @@
 teaches it, the CLI that trains it, and clear errors. (Losslessness with every
 retriever, cache and penalty: tests/test_lossless.py.)"""
 
+import collections
 import json
 
 import pytest
@@ -15,6 +16,7 @@ from tokenswift.drafters.feature_net import FeatureNet
 from tokenswift.errors import ModelLoadError, SpecError, TokenswiftError
 from tokenswift.interfaces import DraftInputs
 from tokenswift.testing import FIXED_TREE, assert_lossless, looping_model, tiny_model_for
+from tokenswift.tree import DRAFTER
 from tokenswift.tools.drafter_training import (
     DrafterTrainConfig, first_seen, greedy_tokens, level_losses, penalize, train_drafter,
 )
@@ -457,7 +459,10 @@ def test_coupled_candidates_are_ranked_on_the_untruncated_draft_plus_the_noise(t
     tokens the target still admits and the noise favours (planted: a truncated q fails)."""
     model = tiny_model_for("llama-mha", "float64")
     drafter = {"weights": decisive_net(model, tmp_path), "depth": 1, "children": 4, "threshold": 0.0}
-    pipe = Pipeline.from_spec({"preset": "eagle", "drafter": drafter, "sampling": {"temperature": 1.0, "min_p": 0.9}}, model)
+    # fixed trees: every candidate drafted (a chosen tree's first proposal drafts fewer)
+    spec = {"preset": "eagle", "drafter": drafter, "sampling": {"temperature": 1.0, "min_p": 0.9},
+            "speculation": {"tree": "fixed"}}
+    pipe = Pipeline.from_spec(spec, model)
     generation = pipe.start([1, 2, 3, 4], 2, seed=0, ignore_eos=True)
     generation.prefill()
     vocab = pipe.runner.vocab_size
@@ -497,7 +502,8 @@ def test_a_proposal_keeps_the_likeliest_candidates_a_step_can_verify(tmp_path):
     drafter = {"weights": decisive_net(model, tmp_path), "depth": 3, "width": 4, "children": 4, "threshold": 0.0}
 
     def proposal(max_nodes):
-        spec = {"preset": "eagle", "drafter": drafter, "sampling": {"greedy": True}, "speculation": {"max_nodes": max_nodes}}
+        spec = {"preset": "eagle", "drafter": drafter, "sampling": {"greedy": True},
+                "speculation": {"tree": "fixed", "max_nodes": max_nodes}}
         pipe = Pipeline.from_spec(spec, model)
         generation = pipe.start([1, 2, 3, 4], 2, seed=0, ignore_eos=True)
         generation.prefill()
@@ -513,31 +519,47 @@ def test_a_proposal_keeps_the_likeliest_candidates_a_step_can_verify(tmp_path):
 
 
 def test_levels_are_drafted_no_wider_than_the_verified_trees_need(tmp_path, monkeypatch):
-    """Where steps verify a few drafted nodes, the drafter expands and ranks at most
-    twice that plus two per level; where every candidate is verified (fixed trees), the
-    whole configured width."""
+    """Where the tree choice verifies, the drafter expands at most one node more per level,
+    and drafts at most one child more per node, than the widest tree it verified in the
+    last steps (most drafted nodes at one depth, or children of one node); fixed trees
+    draft the whole configured width, cut only where a step verifies fewer nodes than
+    that (``max_nodes``: no wider level can hold a verified node)."""
     model = tiny_model_for("llama-mha", "float64")
     drafter = {"weights": decisive_net(model, tmp_path), "depth": 3, "width": 12, "children": 10, "threshold": 0.0}
 
-    def level_rows(max_nodes):
+    def level_rows(tree, max_nodes):
         spec = {"preset": "eagle", "drafter": drafter, "sampling": {"greedy": True},
-                "speculation": {"tree": "fixed", "max_nodes": max_nodes}, "retriever": {"name": "none"}}
+                "speculation": {"tree": tree, "max_nodes": max_nodes}, "retriever": {"name": "none"}}
         pipe = Pipeline.from_spec(spec, model)
-        rows, extend = [], pipe.drafter.net.extend
+        rows, widths, extend, observe = [], [], pipe.drafter.net.extend, pipe.drafter.observe
 
         def recording(embeds, features, positions, *rest):
             if len(positions) > 1 and bool((positions == positions[0]).all()):  # a draft level, not committed pairs
-                rows.append(len(positions))
+                rows.append((len(positions), pipe.drafter.breadth_limit))
             return extend(embeds, features, positions, *rest)
 
-        monkeypatch.setattr(pipe.drafter.net, "extend", recording)
-        result = pipe.generate([1, 2, 3, 4] * 3, 40, seed=0, ignore_eos=True)
-        return rows, result
+        def observing(state, outcome):
+            tree = outcome.tree
+            if pipe.drafter._proposing:  # the verified tree of a proposal, measured here on its own
+                drafted = [n for n in range(1, len(tree)) if tree.sources[n] == DRAFTER]
+                by_depth = collections.Counter(tree.depths[n] for n in drafted)
+                by_parent = collections.Counter(tree.parents[n] for n in drafted)
+                widths.append(max([*by_depth.values(), *by_parent.values()], default=0))
+            observe(state, outcome)
 
-    rows, result = level_rows(3)  # a step verifies at most 3 drafted nodes
-    assert result.stats.steps > 12 and rows and max(rows) <= 2 * 3 + 2
-    rows, _ = level_rows(64)
-    assert rows and min(rows) == 10  # every candidate verified: nothing cut
+        monkeypatch.setattr(pipe.drafter.net, "extend", recording)
+        monkeypatch.setattr(pipe.drafter, "observe", observing)
+        result = pipe.generate([1, 2, 3, 4] * 3, 40, seed=0, ignore_eos=True)
+        return pipe, rows, widths, result
+
+    pipe, rows, widths, result = level_rows("auto", 64)
+    assert result.stats.steps > 8 and rows and widths
+    assert all(count <= limit for count, limit in rows)
+    assert pipe.drafter.breadth_limit == max(widths[-8:]) + 1 < 10  # narrower than configured
+    _, rows, _, result = level_rows("fixed", 3)  # a step verifies at most 3 drafted nodes
+    assert result.stats.steps > 12 and rows and max(count for count, _ in rows) <= 3
+    _, rows, _, _ = level_rows("fixed", 64)
+    assert rows and min(count for count, _ in rows) == 10  # every candidate verified: nothing cut
 
 
 def test_the_level_economy_drafts_a_level_while_the_run_says_it_can_pay():
@@ -588,7 +610,8 @@ def test_chosen_trees_draft_as_deep_as_the_economy_says_fixed_ones_as_configured
 
 def test_chosen_trees_start_small_and_plain_steps_do_not_narrow_them(tmp_path):
     """Where the tree choice verifies, the first proposal drafts two levels below depth 1
-    and expands ten nodes a level (it grows with what the choice verifies); fixed trees
+    and expands three nodes a level, three children each (it grows with what the choice
+    verifies); fixed trees
     draft everything from the first step. Steps that asked for no proposal (plain steps,
     ``max_nodes = 0`` or the plain guard's) leave what the drafter learnt of the verified
     trees as it was: after a stretch of them a proposal is as wide as before it."""
@@ -603,14 +626,14 @@ def test_chosen_trees_start_small_and_plain_steps_do_not_narrow_them(tmp_path):
         return pipe, generation
 
     pipe, _ = started("auto")
-    assert (pipe.drafter.depth_limit, pipe.drafter.breadth_limit) == (3, 10)
+    assert (pipe.drafter.depth_limit, pipe.drafter.breadth_limit) == (3, 3)
     pipe, _ = started("fixed")
     options = pipe.drafter.options
     assert pipe.drafter.depth_limit == options.depth and pipe.drafter.breadth_limit >= max(options.width, options.children)
     pipe, generation = started("auto", max_nodes=0)
     steps = list(generation.steps())
     assert len(steps) == 24 and all(step.candidates == 0 for step in steps)  # no proposal asked
-    assert (pipe.drafter.depth_limit, pipe.drafter.breadth_limit) == (3, 10)
+    assert (pipe.drafter.depth_limit, pipe.drafter.breadth_limit) == (3, 3)
 
 
 @pytest.mark.parametrize("preset", ["eagle", "tokenswift"])
