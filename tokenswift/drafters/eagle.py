@@ -47,6 +47,15 @@ from tokenswift.validation import boolean, int_at_least, integer, weights_source
 logger = logging.getLogger(__name__)
 
 
+# The rows of the draft head a level ranks by default: the network's most frequent
+# tokens (it ships 8,192). Half of them cover 93% of a novel's tokens against 98% for
+# all (the shipped SmolLM2 network, pg_books.jsonl), and a level reads half the head and
+# ranks half the columns: in turns on a 2-core AMD EPYC Zen 4 (2K prompt, greedy,
+# compiled, the plain guard off) 1.19x ``ar`` against 1.10x with all 8,192 (1.88 tokens
+# a step against 1.99); 2,048 rows 1.12x, 1,024 1.10x (1.69 tokens a step).
+DRAFT_VOCAB = 4096
+
+
 def _threshold(value):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
         raise SpecError(f"drafter.threshold must be a number in [0, 1), got {value!r}")
@@ -294,7 +303,7 @@ class EagleDrafter(Drafter):
         threshold: float = attrs.field(default=0.0, converter=_threshold)
         window: int = attrs.field(default=512, converter=int_at_least("drafter.window", 1))
         penalize: bool = attrs.field(default=True, converter=boolean("drafter.penalize"))
-        vocab: int = attrs.field(default=None, converter=int_at_least("drafter.vocab", 2, optional=True))
+        vocab: int = attrs.field(default=DRAFT_VOCAB, converter=int_at_least("drafter.vocab", 2, optional=True))
         seed: int = attrs.field(default=0, converter=integer("drafter.seed"))
         root_pass: bool = attrs.field(default=False, converter=boolean("drafter.root_pass"))
 
