@@ -485,8 +485,39 @@ def test_the_guard_judges_speculative_steps_without_the_catch_up_or_the_view_and
                                       proposing_seconds={DRAFTER: 0.03 + catch_up}, catch_up_seconds=catch_up))
         rates.append(speculator.speculating.rate(True))
         earned.append(speculator.gates[DRAFTER].recent[-1])
-    assert rates[0] == pytest.approx(2 / 0.05) and rates[1] == pytest.approx(rates[0]) and rates[2] == pytest.approx(rates[0])
+    expected = 1 + AcceptanceTracker().corrected(DRAFTER, 1, None)  # the step's expected tokens (no evidence yet)
+    assert rates[0] == pytest.approx(expected / 0.05) and rates[1] == pytest.approx(rates[0]) and rates[2] == pytest.approx(rates[0])
     assert earned[1] == pytest.approx(earned[0])
+
+
+def test_the_guard_takes_a_gain_smaller_than_one_steps_spread_by_what_trees_were_expected_to_emit():
+    """Speculative steps emit 1 or 2 tokens (a node accepted 60% of the time) in ~14 ms,
+    plain ones 1 token in 10 ms: 14% more tokens a second, while one speculative step's
+    rate spreads by ~30%. Judged by the tokens each verified tree was expected to emit
+    (the tracker's rates), the guard speculates in nearly every step after the first
+    hundred, whatever the draws; judged by the drawn tokens, an unlucky start kept one
+    of these six runs plain to its end."""
+
+    def share(seed: int) -> float:
+        draws = random.Random(seed)
+        speculator = AutoSpeculator(CostModel(calibration(0.0)), 8)
+        picks = []
+        for _ in range(800):
+            proposers = speculator.proposers()
+            picks.append(bool(proposers))
+            if not proposers:
+                speculator.learn(plain_step(0.010))
+                continue
+            tree = DraftTree.root_only(1)
+            tree.add_branch(Branch([7], [0.6]))
+            accepted = [1] if draws.random() < 0.6 else []
+            speculator.learn(StepFacts(
+                tree=tree, verdict=Verdict(accepted=accepted, bonus=2), context=64, forward_seconds=0.012,
+                step_seconds=0.014 * draws.uniform(0.9, 1.1), proposing_seconds={DRAFTER: 0.001}, drafting_pass=None,
+                view_seconds=0.0, emitted=1 + len(accepted)))
+        return picks[100:].count(True) / 700
+
+    assert min(share(seed) for seed in range(6)) > 0.95
 
 
 def test_a_step_that_compiled_a_graph_teaches_the_choosers_and_gates_nothing():
@@ -565,9 +596,19 @@ def test_a_drafting_pass_is_tried_only_where_it_can_pay(per_position_ms):
 
 def test_the_drafting_view_is_kept_only_at_steps_whose_pass_runs(monkeypatch):
     """A policy that says whether its view is partial without keeping it (the
-    refreshing ones) has :meth:`update_view` called only at steps whose pass runs, and
-    refreshes no more than those need; one that cannot say has it called at every
-    step that asks for a pass, as before. The runs emit the same tokens either way."""
+    refreshing ones) has :meth:`update_view` called only at steps whose pass runs; one
+    that cannot say has it called at every step that asks for a pass, as before. The
+    runs emit the same tokens either way. The pass chooser is pinned to run every other
+    pass it is asked for: left to its measured rates it chose passes by the machine's
+    timings. (How many refreshes each run makes is no property: the views differ, so
+    do the drafts and the steps' lengths; the lazy run refreshed once more than the
+    eager one in about one run in ten on a loaded 2-core machine.)"""
+
+    def every_other(chooser):
+        chooser.asked = getattr(chooser, "asked", 0) + 1
+        return chooser.asked % 2 == 1
+
+    monkeypatch.setattr(RateChooser, "pick", every_other)
     spec = {"preset": "tokenswift", "drafter": {"heads": "random"}, "cache": {"budget": 12, "sink": 2, "recent": 3},
             "sampling": {"greedy": True},
             "speculation": {"plain_guard": False, "pass_gain": 1000}}  # every step may speculate, and pass
@@ -591,7 +632,7 @@ def test_the_drafting_view_is_kept_only_at_steps_whose_pass_runs(monkeypatch):
     assert tokens == eager_tokens
     assert passes and kept_at == passes  # kept exactly at the steps that ran a pass
     assert len(eager_kept_at) > len(eager_passes)  # kept at every step that asked, pass or not
-    assert refreshes <= eager_refreshes
+    assert 0 < refreshes <= len(passes) and eager_refreshes > 0
 
 
 def test_fixed_trees_verify_every_candidate_with_a_pass_each_step():
