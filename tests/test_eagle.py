@@ -529,7 +529,7 @@ def test_levels_are_drafted_no_wider_than_the_verified_trees_need(tmp_path, monk
 
     def level_rows(tree, max_nodes):
         spec = {"preset": "eagle", "drafter": drafter, "sampling": {"greedy": True},
-                "speculation": {"tree": tree, "max_nodes": max_nodes}, "retriever": {"name": "none"}}
+                "speculation": {"tree": tree, "max_nodes": max_nodes, "plain_guard": False}, "retriever": {"name": "none"}}
         pipe = Pipeline.from_spec(spec, model)
         rows, widths, extend, observe = [], [], pipe.drafter.net.extend, pipe.drafter.observe
 
@@ -555,7 +555,9 @@ def test_levels_are_drafted_no_wider_than_the_verified_trees_need(tmp_path, monk
     pipe, rows, widths, result = level_rows("auto", 3)  # a step verifies at most 3 drafted nodes
     assert result.stats.steps > 8 and rows and widths
     assert all(count <= limit for count, limit in rows)
-    assert pipe.drafter.breadth_limit == max(widths[-8:]) + 1 <= 4  # narrower than configured
+    recent = list(pipe.drafter.verified_breadths)  # the last 8 (the first proposal's start value until then)
+    assert recent[-len(widths[-8:]):] == widths[-8:]  # the drafter measured the trees as the test does
+    assert pipe.drafter.breadth_limit == max(recent) + 1 <= 4  # narrower than configured
     _, rows, _, result = level_rows("fixed", 3)  # a step verifies at most 3 drafted nodes
     assert result.stats.steps > 12 and rows and max(count for count, _ in rows) <= 3
     _, rows, _, _ = level_rows("fixed", 64)
