@@ -8,7 +8,10 @@ turns), from one shared prefill of the held-out prompt, in turns of 8 tokens as
 candidates), what it verified and emitted, its wall time and its stages (propose,
 forward, verify, commit). Prints, per method, the tokens per second, the steps that
 speculated and what they cost against plain steps, and each stage's milliseconds per
-step for both kinds; ``--out FILE`` writes every step as JSON. Past the model's trained
+step for both kinds, with the part of a stage that was the models' own computation (the
+target's forward and LM-head products, the drafter's network:
+:class:`~tokenswift.stats.ModelTime`) where it is not all of it; ``--out FILE`` writes
+every step as JSON. Past the model's trained
 length the prompt's RoPE is scaled as ``bench --contexts`` scales it.
 """
 
@@ -60,7 +63,7 @@ def run(presets: list[str], context: int, new_tokens: int, greedy: bool, seed: i
                 records[name].append({
                     "candidates": record.candidates, "verified": record.verified, "emitted": len(record.emitted),
                     "seconds": time.perf_counter() - started, "drafting_pass": record.drafting_pass,
-                    "stages": dict(record.stage_seconds),
+                    "stages": dict(record.stage_seconds), "model": dict(record.model_seconds),
                 })
             if len(generation.new_tokens) >= new_tokens or generation.finish_reason != "length":
                 active.remove(name)
@@ -72,10 +75,17 @@ def summary(name: str, steps: list[dict]) -> str:
     def per_step(kind: list[dict]) -> str:
         if not kind:
             return "none"
-        stages = collections.Counter()
+        stages, model = collections.Counter(), collections.Counter()
         for step in kind:
             stages.update(step["stages"])
-        ms = ", ".join(f"{stage} {1000 * seconds / len(kind):.1f}" for stage, seconds in stages.items())
+            model.update(step.get("model", {}))
+
+        def stage_ms(stage: str, seconds: float) -> str:
+            part = model.get(stage, 0.0)
+            rest = f" (model {1000 * part / len(kind):.1f})" if 0 < part < 0.995 * seconds else ""
+            return f"{stage} {1000 * seconds / len(kind):.1f}{rest}"
+
+        ms = ", ".join(stage_ms(stage, seconds) for stage, seconds in stages.items())
         return (f"{len(kind)} steps, {sum(s['emitted'] for s in kind) / len(kind):.2f} tokens and "
                 f"{1000 * sum(s['seconds'] for s in kind) / len(kind):.1f} ms a step ({ms} ms)")
 

@@ -1,5 +1,7 @@
 """The autoregressive pipeline against transformers and a plain reference loop."""
 
+import time
+
 import pytest
 import torch
 
@@ -94,6 +96,38 @@ def test_stats_and_stream():
     assert stats.tokens_per_step == 1.0 and stats.acceptance_rate == 0.0
     assert stats.tokens_per_second > 0 and stats.seconds >= stats.prefill_seconds
     assert set(stats.stage_seconds) == {"propose", "forward", "verify", "commit"}
+
+
+@pytest.mark.parametrize("spec", ["ar", "eagle", {"preset": "tokenswift", "drafter": {"heads": "random"}}],
+                         ids=["ar", "eagle", "tokenswift-heads"])
+def test_each_stage_reports_the_part_that_was_the_models(spec):
+    """A step's stages say how much of each was the models' own computation (the target's
+    forward and LM-head products, the drafter's network): within the stage's time, all
+    of the forward's but the Python around it, some of proposing where a drafter's
+    network ran, none of committing (planted: the ``eagle`` layer uncharged fails)."""
+    model = tiny_model_for("llama-gqa")
+    pipe = Pipeline.from_spec(spec, model, overrides={"speculation": {"plain_guard": False}} if spec != "ar" else None)
+    records = list(pipe.steps(prompt_ids(7), 12, seed=0, ignore_eos=True))
+    for record in records:
+        assert set(record.model_seconds) == set(record.stage_seconds)
+        assert all(0 <= record.model_seconds[s] <= record.stage_seconds[s] for s in record.stage_seconds)
+        assert record.model_seconds["forward"] > 0 and record.model_seconds["commit"] == 0
+    proposing = [r.model_seconds["propose"] for r in records]
+    assert all(p == 0 for p in proposing) if spec == "ar" else any(p > 0 for p in proposing)
+    stats = pipe.generate(prompt_ids(7), 6, seed=0, ignore_eos=True).stats
+    assert set(stats.model_stage_seconds) == set(stats.stage_seconds) and stats.model_stage_seconds["forward"] > 0
+
+
+def test_model_time_counts_nested_measures_once():
+    from tokenswift.stats import MODEL_TIME
+
+    before = MODEL_TIME.seconds
+    started = time.perf_counter()
+    with MODEL_TIME.measure():
+        with MODEL_TIME.measure():
+            time.sleep(0.01)
+    elapsed = time.perf_counter() - started
+    assert 0.01 <= MODEL_TIME.seconds - before <= elapsed
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True])

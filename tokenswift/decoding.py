@@ -290,6 +290,7 @@ class Generation:
                 generated=state.generated,
                 seconds=time.perf_counter() - self.started,
                 stage_seconds=dict(clock.seconds),
+                model_seconds=dict(clock.model_seconds),
                 drafting_pass=bool(root_pass.ran),
                 predicted_tokens=None if choice is None else choice.expected_tokens,
                 predicted_seconds=None if choice is None else choice.seconds,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
 from typing import Any
 
@@ -16,6 +18,45 @@ from tokenswift.health import EMPTY_SUMMARY, TextHealth
 STAGES = ("propose", "forward", "verify", "commit")
 
 
+class ModelTime:
+    """Seconds the process spent in the models' own computation: the target's forwards
+    and LM-head products, a drafter's network (its layer, its heads). Code that runs a
+    model wraps it in :meth:`measure`; a :class:`StageClock` charges each stage the part
+    of its time that was the model's, so that a profile tells the model from what
+    surrounds it (ranking, penalties, draws, trees, bookkeeping). Nested measures count
+    once. Wall time of the calling thread: on a GPU the kernels a measure launched may
+    run after it (the clock's laps wait for them, the measures do not)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._depth = 0
+
+    @contextlib.contextmanager
+    def measure(self):
+        self._depth += 1
+        started = time.perf_counter() if self._depth == 1 else None
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if started is not None:
+                self.seconds += time.perf_counter() - started
+
+
+MODEL_TIME = ModelTime()
+
+
+def model_time(function):
+    """Decorate a method that runs a model: its time counts as the model's (:class:`ModelTime`)."""
+
+    @functools.wraps(function)
+    def measured(*args, **kwargs):
+        with MODEL_TIME.measure():
+            return function(*args, **kwargs)
+
+    return measured
+
+
 class StageClock:
     """Seconds per stage of one step. :meth:`lap` charges the time since the previous
     lap to a stage; on a GPU it first waits for the device, so a stage is charged for
@@ -24,20 +65,25 @@ class StageClock:
     def __init__(self, device: torch.device) -> None:
         self._sync = torch.cuda.synchronize if device.type == "cuda" else None
         self._last = time.perf_counter()
+        self._model_last = MODEL_TIME.seconds
         self.seconds: dict[str, float] = {}
+        self.model_seconds: dict[str, float] = {}  # per stage, the part of it that was the model's
 
     def start(self) -> None:
         if self._sync is not None:
             self._sync()
         self._last = time.perf_counter()
+        self._model_last = MODEL_TIME.seconds
         self.seconds = dict.fromkeys(STAGES, 0.0)
+        self.model_seconds = dict.fromkeys(STAGES, 0.0)
 
     def lap(self, stage: str) -> None:
         if self._sync is not None:
             self._sync()
-        now = time.perf_counter()
+        now, model = time.perf_counter(), MODEL_TIME.seconds
         self.seconds[stage] += now - self._last
-        self._last = now
+        self.model_seconds[stage] += model - self._model_last
+        self._last, self._model_last = now, model
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -53,6 +99,7 @@ class StepRecord:
     generated: int  # new tokens so far, these included
     seconds: float  # since generation start
     stage_seconds: dict[str, float] = attrs.field(factory=dict)  # this step's, per stage (STAGES)
+    model_seconds: dict[str, float] = attrs.field(factory=dict)  # the part of each stage that was the models' (ModelTime)
     candidates: int = 0  # nodes proposed below the root (`verified` of them were verified)
     drafting_pass: bool = False  # a drafting pass of the root ran
     predicted_tokens: float | None = None  # expected tokens of the chosen tree (None: a fixed tree)
@@ -89,6 +136,7 @@ class GenerationStats:
     compiled: bool = False  # one-token forwards ran compiled (tokenswift.model.compiled)
     compile_seconds: float = 0.0  # what compiling took during this run (in `seconds`)
     health: TextHealth | None = None  # the text's health at the end (None: no step ran)
+    model_stage_seconds: dict[str, float] = attrs.field(factory=dict)  # per stage, the models' part of stage_seconds
 
     @property
     def decode_seconds(self) -> float:
@@ -157,6 +205,7 @@ class StatsCollector:
         self.predicted_tokens = self.predicted_seconds = self.forward_seconds = 0.0
         self.histogram: dict[int, int] = {}
         self.stage = dict.fromkeys(STAGES, 0.0)
+        self.model_stage = dict.fromkeys(STAGES, 0.0)
         self.health: TextHealth | None = None
 
     def __call__(self, record: StepRecord) -> None:
@@ -178,6 +227,8 @@ class StatsCollector:
         self.histogram[emitted] = self.histogram.get(emitted, 0) + 1
         for stage, seconds in record.stage_seconds.items():
             self.stage[stage] = self.stage.get(stage, 0.0) + seconds
+        for stage, seconds in record.model_seconds.items():
+            self.model_stage[stage] = self.model_stage.get(stage, 0.0) + seconds
 
     def stats(
         self, *, prompt_tokens: int, new_tokens: int, seconds: float, prefill_seconds: float, finish_reason: str, dtype: str = "",
@@ -207,4 +258,5 @@ class StatsCollector:
             compiled=compiled,
             compile_seconds=compile_seconds,
             health=self.health,
+            model_stage_seconds=dict(self.model_stage),
         )

@@ -41,6 +41,7 @@ from tokenswift.errors import SpecError
 from tokenswift.interfaces import Drafter
 from tokenswift.model.compiled import CompileUnavailable
 from tokenswift.model.linear import serve_linears_by_kernel
+from tokenswift.stats import model_time
 from tokenswift.tree import DRAFTER, Branch, SampledChildren
 from tokenswift.validation import boolean, int_at_least, integer, weights_source
 
@@ -432,6 +433,7 @@ class EagleDrafter(Drafter):
         self.pending_features, self.pending_tokens = [], []
         return out[-1], logits[-1], position
 
+    @model_time
     def _forward(
         self, tokens: list[int], features: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor, own: torch.Tensor,
         *, last_logits: bool = False,

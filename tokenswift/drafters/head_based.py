@@ -13,6 +13,7 @@ from tokenswift.drafters import template
 from tokenswift.drafters.draft_heads import DraftHeads, find_shipped_heads
 from tokenswift.errors import SpecError
 from tokenswift.interfaces import Drafter
+from tokenswift.stats import model_time
 from tokenswift.tree import Branch
 from tokenswift.validation import int_at_least, integer, weights_source
 
@@ -98,6 +99,7 @@ class HeadDrafter(Drafter):
             confidences.append(prob_row[top].tolist())
         return template.branches(paths, tokens, confidences)
 
+    @model_time
     @torch.inference_mode()
     def _head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [hidden_size] -> [num_heads, vocab], the heads' logits (the model's LM head)."""

@@ -31,6 +31,7 @@ from tokenswift.model.hf_cache import StoreCache
 from tokenswift.model.kv import KVStore, KVView, Staging
 from tokenswift.model.linear import KernelLinears, PackedLinears, packing_available
 from tokenswift.model.plan import PLAN_KWARG, AttentionRecorder, ForwardPlan
+from tokenswift.stats import model_time
 
 logger = logging.getLogger(__name__)
 
@@ -321,6 +322,7 @@ class Runner:
 
     # -- forwards ----------------------------------------------------------------
 
+    @model_time
     @torch.inference_mode()
     def forward(
         self,
@@ -425,6 +427,7 @@ class Runner:
         states = None if states is None else states[logits_rows]
         return ForwardOutput(logits=self.logits(hidden), hidden=hidden, attention=attention, layer_states=states)
 
+    @model_time
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [m, hidden_size] final-norm states -> [m, vocab] logits in ``logits_dtype``."""
