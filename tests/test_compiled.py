@@ -522,6 +522,33 @@ def _recorded_proposals(pipe) -> list:
     return proposals
 
 
+def test_draft_levels_compile_only_where_the_tree_forwards_do(tmp_path):
+    """Where a run's one-token forwards are compiled but its tree forwards stay eager (a
+    run too short to repay their graphs), the ``eagle`` levels stay eager too: no level
+    graph is compiled. Where trees are compiled, so are the levels. Both emit the same
+    tokens."""
+    from tests.test_eagle import decisive_net
+
+    results = {}
+    for trees in (False, True):
+        model = tiny_model_for("llama-gqa", "float32")  # its own drafter parts and graphs
+        drafter = {"weights": decisive_net(model, tmp_path / str(trees)), "threshold": 0.0}
+        overrides = {"model": {"compile": True}, "drafter": drafter, "sampling": {"greedy": True},
+                     "retriever": {"name": "none"}, "speculation": {"tree": "fixed", "max_nodes": 8}}
+        pipe = Pipeline.from_spec("eagle", model, overrides=overrides)
+        generation = pipe.start([5, 6, 7, 8, 9, 3, 2] * 3, 24, seed=0, ignore_eos=True)
+        generation.prefill()
+        if not trees:
+            pipe.runner.use_compiled_trees(())
+        records = list(generation.steps())
+        assert pipe.runner.compiled is not None and any(r.verified for r in records)
+        level = pipe.drafter.parts._level
+        assert pipe.drafter.levels_compiled == trees
+        assert (level is not None and len(level.compiled_rows()) > 0) == trees
+        results[trees] = [t for r in records for t in r.emitted]
+    assert results[True] == results[False]
+
+
 def test_compiled_draft_levels_propose_what_eager_levels_do(tmp_path, monkeypatch):
     """The ``eagle`` drafter's levels compiled (fixed shapes, rows padded to
     LEVEL_ROWS, the cache in fixed buffers) propose, step by step, the candidates the

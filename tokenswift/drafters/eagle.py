@@ -445,9 +445,9 @@ class EagleDrafter(Drafter):
         (with ``last_logits``, at least the last row's: catching up on the text a run
         of plain steps committed, 100+ rows, only the last is drafted from, and the head
         over every row was most of that forward). Compiled (at a padded row count)
-        where the target's forwards are, else eager."""
+        where the target's tree forwards are (:attr:`levels_compiled`), else eager."""
         n, size, device = len(tokens), self.kv.size, self.runner.device
-        level = self.parts.level() if self.runner.compiled is not None else None
+        level = self.parts.level() if self.levels_compiled else None
         rows = CompiledLevel.rows_for(n) if level is not None else None
         padded = rows or n
         ids = torch.tensor(tokens + tokens[-1:] * (padded - n), device=device)
@@ -467,6 +467,16 @@ class EagleDrafter(Drafter):
         keys, values, out = self.net.extend(self.embed(ids).to(torch.float32), features, positions, self.kv.keys,
                                             self.kv.values, mask)
         return keys[:, :, :n], values[:, :, :n], out[:n], self._head_logits(out[n - 1 : n] if last_logits else out[:n])
+
+    @property
+    def levels_compiled(self) -> bool:
+        """Whether the levels run as compiled graphs: where the runner's tree verify
+        forwards do (a run whose trees stay eager, as ``compile = "auto"`` leaves a run too
+        short to repay their graphs, rarely speculates, and compiling the levels' graphs
+        at its first proposals cost it more than they saved: the README's main job, 2,000
+        tokens on a 2-core AMD EPYC Zen 4, spent 1.5 s in three proposals, 23 steps
+        speculated, 0.91-0.98x ``ar``)."""
+        return self.runner.compiled is not None and bool(self.runner.compiled_tree_sizes)
 
     # -- drafting ----------------------------------------------------------------------
 
