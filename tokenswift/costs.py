@@ -56,6 +56,7 @@ class CostModel:
         # size a forward ran at -> (observations, average of measured / predicted over
         # ``scale``): how far the curve is off at that size, apart from the machine's drift
         self._sizes: dict[int, tuple[int, float]] = {}
+        self._seen: list[tuple[int, float]] = []  # (size, factor) of the sizes seen SIZE_SEEN times, by size
         self.compile_calibration: CompileCalibration | None = None  # see use_compile_calibration
 
     def use_compile_calibration(self, calibration: CompileCalibration | None) -> None:
@@ -101,7 +102,7 @@ class CostModel:
         ones (by size; the nearest beyond them). On an AMD EPYC Zen 4 the compile
         calibration priced an 8-token tree at 1.28x a one-token forward at 2K; in the
         run it took 1.47x, and the choice verified 8-token trees where 4 paid more."""
-        seen = sorted((size, factor) for size, (count, factor) in self._sizes.items() if count >= SIZE_SEEN)
+        seen = self._seen
         if not seen:
             return 1.0
         size = self._size(nodes)
@@ -161,3 +162,5 @@ class CostModel:
         # the plain average of the first observations, then an exponential one
         weight = 1.0 / (count + 1) if count < SIZE_SEEN else SIZE_SMOOTHING
         self._sizes[size] = (count + 1, factor + weight * (relative - factor))
+        # kept sorted here, once a step, not at each of the choice's predictions
+        self._seen = sorted((s, f) for s, (n, f) in self._sizes.items() if n >= SIZE_SEEN)

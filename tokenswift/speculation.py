@@ -437,30 +437,6 @@ class Speculator:
             return Selection(tree=candidates.subtree(range(self.max_nodes + 1)))
         return Selection(tree=candidates)
 
-    def _guard_tokens(self, expected: float, emitted: int, speculated: bool) -> float:
-        """The tokens the plain guard counts for a step: a plain step's own; a speculative
-        step's expected tokens (its tree's chances), scaled by what the last
-        :data:`GUARD_STEPS` speculative steps emitted against what they were expected to.
-
-        Which nodes are accepted is a draw that spreads one step's rate by ~35% (1 to 4
-        tokens): judged by drawn tokens, the guard, telling a 10-20% gain from that
-        spread, kept plain steps for 30-60% of a run (``eagle``, 2K prompt, greedy,
-        compiled, in turns on a 2-core AMD EPYC Zen 4: 1.00-1.06x ``ar`` against 1.10x
-        without the guard). The expectation alone is not honest everywhere: with the
-        paper's sampling the tracker's rates expected 1.84 tokens a step where 1.63
-        came (greedy 1.78 against 1.84), and the guard speculated where plain steps
-        paid more. Scaled, the count keeps the drawn tokens' mean over the window (less
-        :data:`GUARD_PRIOR` tokens taken as foreseen: the first steps' few draws do not
-        set the scale) and the expectation's step-to-step shape. Scaled by the drawn
-        tokens from the first step, the guard read a run's first three unlucky steps as
-        the arm's rate and kept plain steps to its end (a simulated run, 14% gain)."""
-        if not speculated:
-            return float(emitted)
-        self._guard_window.append((float(emitted), expected))
-        drawn = sum(e for e, _ in self._guard_window) + GUARD_PRIOR
-        foreseen = sum(x for _, x in self._guard_window) + GUARD_PRIOR
-        return expected * drawn / foreseen
-
     def learn(self, facts: StepFacts) -> None:
         """What a committed step teaches the policy."""
 
@@ -537,10 +513,34 @@ class AutoSpeculator(Speculator):
         likely = tuple(node_of[candidate] for candidate in likely_candidates)
         return Selection(tree=candidates.subtree(choice.keep), likely=likely, choice=choice)
 
+    def _guard_tokens(self, expected: float | None, emitted: int) -> float:
+        """The tokens the plain guard counts for a step: a plain step's own (``expected``
+        None); a speculative step's expected tokens (its tree's chances), scaled by what the last
+        :data:`GUARD_STEPS` speculative steps emitted against what they were expected to.
+
+        Which nodes are accepted is a draw that spreads one step's rate by ~35% (1 to 4
+        tokens): judged by drawn tokens, the guard, telling a 10-20% gain from that
+        spread, kept plain steps for 30-60% of a run (``eagle``, 2K prompt, greedy,
+        compiled, in turns on a 2-core AMD EPYC Zen 4: 1.00-1.06x ``ar`` against 1.10x
+        without the guard). The expectation alone is not honest everywhere: with the
+        paper's sampling the tracker's rates expected 1.84 tokens a step where 1.63
+        came (greedy 1.78 against 1.84), and the guard speculated where plain steps
+        paid more. Scaled, the count keeps the drawn tokens' mean over the window (less
+        :data:`GUARD_PRIOR` tokens taken as foreseen: the first steps' few draws do not
+        set the scale) and the expectation's step-to-step shape. Scaled by the drawn
+        tokens from the first step, the guard read a run's first three unlucky steps as
+        the arm's rate and kept plain steps to its end (a simulated run, 14% gain)."""
+        if expected is None:  # a plain step
+            return float(emitted)
+        self._guard_window.append((float(emitted), expected))
+        drawn = sum(e for e, _ in self._guard_window) + GUARD_PRIOR
+        foreseen = sum(x for _, x in self._guard_window) + GUARD_PRIOR
+        return expected * drawn / foreseen
+
     def learn(self, facts: StepFacts) -> None:
         tree, verdict = facts.tree, facts.verdict
-        # what the verified tree was expected to emit, before its own outcome is counted
-        expected = sum(chances(tree, self.tracker)) if len(tree) > 1 else float(facts.emitted)
+        # what the verified tree was expected to emit, before its own outcome is counted (the guard's count)
+        expected = sum(chances(tree, self.tracker)) if self.speculating is not None and len(tree) > 1 else None
         self.tracker.observe(tree, verdict.accepted)
         if facts.compile_seconds > 0:  # a graph compiled in this step: its times teach nothing
             self._speculates = None
@@ -571,6 +571,6 @@ class AutoSpeculator(Speculator):
             # ``tokenswift`` run take 506 ms against ~43 for a plain one, and the guard
             # kept plain steps for the rest of a 256-token run (0.965x ``ar``).
             seconds = facts.step_seconds - facts.catch_up_seconds - facts.view_seconds
-            self.speculating.observe(self._speculates, self._guard_tokens(expected, facts.emitted, len(tree) > 1),
+            self.speculating.observe(self._speculates, self._guard_tokens(expected, facts.emitted),
                                      seconds, futile=futile)
             self._speculates = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import time
 from typing import Any
 
@@ -18,13 +19,14 @@ from tokenswift.health import EMPTY_SUMMARY, TextHealth
 STAGES = ("propose", "forward", "verify", "commit")
 
 
-class ModelTime:
-    """Seconds the process spent in the models' own computation: the target's forwards
+class ModelTime(threading.local):
+    """Seconds a thread spent in the models' own computation: the target's forwards
     and LM-head products, a drafter's network (its layer, its heads). Code that runs a
     model wraps it in :meth:`measure`; a :class:`StageClock` charges each stage the part
     of its time that was the model's, so that a profile tells the model from what
     surrounds it (ranking, penalties, draws, trees, bookkeeping). Nested measures count
-    once. Wall time of the calling thread: on a GPU the kernels a measure launched may
+    once; each thread counts its own (a server's generation thread beside the tests' or a
+    client's). Wall time of the calling thread: on a GPU the kernels a measure launched may
     run after it (the clock's laps wait for them, the measures do not)."""
 
     def __init__(self) -> None:

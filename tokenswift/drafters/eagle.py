@@ -370,13 +370,13 @@ class EagleDrafter(Drafter):
         self.pending_features: list[torch.Tensor] = []  # [H] each, the pairs not yet in the cache
         self.pending_tokens: list[int] = []
         self.next_position = 0  # the position of the first pending pair
-        # What the tree choice verified of the last proposals. Fixed trees verify what is
-        # drafted, so they start from all of it. A tree choice starts small and grows a
-        # level and a node a step while it verifies them: drafting the whole configured
-        # tree took ~28 ms of a ~50 ms first step on a 2-core AMD EPYC Zen 4.
-        first_depth, first_breadth = (options.depth, max(options.width, options.children)) if self._fixed_trees else (2, 2)
+        # What the tree choice verified of the last proposals (fixed trees draft what they
+        # are configured to: depth_limit, breadth_limit). A tree choice starts small and
+        # grows a level and a node a step while it verifies them: drafting the whole
+        # configured tree took ~28 ms of a ~50 ms first step on a 2-core AMD EPYC Zen 4.
+        first_depth = options.depth if self._fixed_trees else 2
         self.verified_depths: collections.deque[int] = collections.deque([first_depth], maxlen=8)
-        self.verified_breadths: collections.deque[int] = collections.deque([first_breadth], maxlen=8)
+        self.verified_breadths: collections.deque[int] = collections.deque([2], maxlen=8)
         self._proposing = False  # a proposal was asked for since the last step
         self._behind = False  # a step without a proposal committed pairs the layer has not seen
         self._catch_up_seconds = 0.0
@@ -500,8 +500,8 @@ class EagleDrafter(Drafter):
         """How many nodes to expand per level and children to draft per node: one more
         than the widest the tree choice verified in the last steps (the most drafted
         nodes at one depth, or children of one node), so that a choice that wants more
-        sees it the next step; ``width`` and ``children`` cap it. Fixed trees verify every
-        candidate: nothing is cut.
+        sees it the next step; ``width`` and ``children`` cap it. Fixed trees verify the
+        ``proposed`` likeliest candidates: cut only where that is below the configured width.
 
         Where the choice verifies ~7 nodes, expanding 12 nodes a level with 10 children
         each (the previous rule: twice the verified nodes plus two) drafted ~100
