@@ -112,7 +112,8 @@ def test_float32_runs_of_a_speculative_preset_and_ar_emit_the_same_tokens(model_
         )
         assert code == 0, err
         texts[preset] = out
-    assert len(texts["ar"].split()) == 40 and texts["tokenswift"] == texts["ar"]
+    # 40 tokens: words, and a few that join a word or print nothing (special tokens)
+    assert 30 <= len(texts["ar"].split()) <= 40 and texts["tokenswift"] == texts["ar"]
 
 
 def test_the_training_flags_default_to_their_configs(capsys):
@@ -409,7 +410,7 @@ def _unfinished(data):
 BAD_CHECKPOINTS = {
     "not JSON": (lambda d: "{not json", "is not readable"),
     "truncated": (lambda d: json.dumps(d)[: len(json.dumps(d)) // 2], "is not readable"),
-    "a JSON list": (lambda d: json.dumps([1, 2]), "is not a tokenswift checkpoint (tokenswift-checkpoint/2): a JSON list"),
+    "a JSON list": (lambda d: json.dumps([1, 2]), "is not a tokenswift checkpoint (tokenswift-checkpoint/3): a JSON list"),
     "tokens are strings": (lambda d: json.dumps({**d, "tokens": ["a", "b"]}), "tokens must be a list of token ids"),
     "an id outside the vocabulary, unfinished": (
         lambda d: json.dumps({**_unfinished(d), "tokens": [1, 999999999]}),

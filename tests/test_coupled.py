@@ -1,5 +1,5 @@
-"""The coupled sampler: Gumbel-max keyed by (seed, position), drafts ranked with the
-same noise. Identical to autoregressive decoding by construction (tested here for
+"""The Gumbel-max samplers (keyed, the default: noise by (seed, position, token);
+coupled: a Philox vector by (seed, position)), drafts ranked with the same noise. Identical to autoregressive decoding by construction (tested here for
 drafters that see the noise, adversarial ones included), independent across positions,
 and coupled for real: a drafter that knows the target's distribution is always right."""
 
@@ -13,28 +13,64 @@ from hypothesis import given, settings
 from tokenswift import Pipeline, get_plugin_manager, hookimpl
 from tokenswift.checkpoint import Checkpoint
 from tokenswift.interfaces import Drafter
-from tokenswift.sampling import CoupledSampler
+from tokenswift.sampling import CoupledSampler, KeyedSampler, keyed_bits
 from tokenswift.testing import assert_lossless, tiny_model_for
 from tokenswift.tree import Branch
 
 SAMPLING = {"temperature": 1.0, "min_p": 0.05}
 
 
-def test_the_noise_is_fixed_by_seed_and_position_alone():
-    a, b = CoupledSampler(7), CoupledSampler(7)
+GUMBEL_SAMPLERS = [CoupledSampler, KeyedSampler]
+
+
+@pytest.mark.parametrize("sampler_class", GUMBEL_SAMPLERS)
+def test_the_noise_is_fixed_by_seed_and_position_alone(sampler_class):
+    a, b = sampler_class(7), sampler_class(7)
     assert torch.equal(a.noise(12, 100), b.noise(12, 100))  # two samplers, one noise
     assert not torch.equal(a.noise(12, 100), a.noise(13, 100))  # another position
-    assert not torch.equal(a.noise(12, 100), CoupledSampler(8).noise(12, 100))  # another seed
-    many = torch.cat([CoupledSampler(seed).noise(0, 1000) for seed in range(20)])
-    assert abs(float(many.mean()) - 0.5772) < 0.02 and abs(float(many.var()) - 1.6449) < 0.05  # standard Gumbel
+    assert not torch.equal(a.noise(12, 100), sampler_class(8).noise(12, 100))  # another seed
+    many = torch.cat([sampler_class(seed).noise(0, 1000) for seed in range(20)])
+    # standard Gumbel: over 20,000 draws the mean's sd is ~0.009, the variance's ~0.032
+    assert abs(float(many.mean()) - 0.5772) < 0.04 and abs(float(many.var()) - 1.6449) < 0.13
+    ids = torch.tensor([99, 0, 41, 41, 7])
+    assert torch.equal(a.noise_at(12, ids, 100), a.noise(12, 100)[ids])  # a token's noise, however asked for
+
+
+def splitmix64(key: int, step: int) -> int:
+    """The reference: SplitMix64's output at ``step`` from state ``key``, in Python integers."""
+    z = (key + step * 0x9E3779B97F4A7C15) % 2**64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+    return z ^ (z >> 31)
+
+
+@settings(max_examples=40, deadline=None)
+@given(key=st.integers(0, 2**64 - 1), ids=st.lists(st.integers(0, 2**31), min_size=1, max_size=20))
+def test_the_keyed_noise_is_splitmix64_of_the_key_at_each_token(key, ids):
+    """The vectorised int64 words wrap and shift as unsigned 64-bit arithmetic does (a
+    sign-extending shift or a carry lost would change them)."""
+    words = keyed_bits(key, torch.tensor(ids)).tolist()
+    assert [w % 2**64 for w in words] == [splitmix64(key, i + 1) for i in ids]
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**64 - 1), position=st.integers(0, 10**9))
+def test_keyed_noise_is_independent_across_tokens_positions_and_seeds(seed, position):
+    """Neighbouring tokens, positions and seeds give unrelated noise (noise shifted
+    along the vocabulary, or shared by two positions, would correlate)."""
+    a = KeyedSampler(seed).noise(position, 4000)
+    others = [a[1:], KeyedSampler(seed).noise(position + 1, 4000)[:-1], KeyedSampler(seed ^ 1).noise(position, 4000)[:-1]]
+    for other in others:
+        assert abs(float(torch.corrcoef(torch.stack([a[:-1], other]))[0, 1])) < 0.1  # 4000 pairs: sd ~0.016
+    assert bool(torch.isfinite(a).all())
 
 
 @settings(max_examples=60, deadline=None)
 @given(
     seed=st.integers(0, 2**64 - 1), position=st.integers(0, 10**6), vocab=st.integers(1, 300),
-    kept=st.floats(0.0, 1.0), ties=st.booleans(),
+    kept=st.floats(0.0, 1.0), ties=st.booleans(), sampler_class=st.sampled_from(GUMBEL_SAMPLERS),
 )
-def test_a_draw_over_the_kept_tokens_is_the_argmax_over_the_whole_vocabulary(seed, position, vocab, kept, ties):
+def test_a_draw_over_the_kept_tokens_is_the_argmax_over_the_whole_vocabulary(seed, position, vocab, kept, ties, sampler_class):
     """The draw sums noise and scores for the tokens the warpers kept only: the same
     token as ``argmax(scores + G)`` over every token (filtered ones at -inf, a tie to the
     lowest id), whatever is kept."""
@@ -45,19 +81,20 @@ def test_a_draw_over_the_kept_tokens_is_the_argmax_over_the_whole_vocabulary(see
     filtered = torch.rand(vocab, generator=generator) >= kept
     filtered[int(torch.randint(vocab, (1,), generator=generator))] = False  # at least one kept
     scores[filtered] = -float("inf")
-    sampler = CoupledSampler(seed)
+    sampler = sampler_class(seed)
     expected = int((scores + sampler.noise(position, vocab)).argmax())
     assert sampler.draw(scores, position) == expected
     assert sampler.draw(scores.float(), position) == int((scores.float().double() + sampler.noise(position, vocab)).argmax())
 
 
-def test_draws_at_different_positions_are_independent():
+@pytest.mark.parametrize("sampler_class", GUMBEL_SAMPLERS)
+def test_draws_at_different_positions_are_independent(sampler_class):
     """Reused noise (the same G at every position) would make the two draws equal."""
     scores = torch.zeros(4, dtype=torch.float64)  # uniform over 4 tokens
     runs = 4000
     joint = torch.zeros(4, 4)
     for seed in range(runs):
-        sampler = CoupledSampler(seed)
+        sampler = sampler_class(seed)
         joint[sampler.draw(scores, 10), sampler.draw(scores, 11)] += 1
     expected = runs / 16
     chi2 = float(((joint - expected) ** 2 / expected).sum())
@@ -161,3 +198,25 @@ def test_a_checkpoint_from_before_the_coupled_sampler_resumes_with_its_own(tmp_p
     assert saved.spec["sampling"]["sampler"] == "inverse-cdf"
     resumed = Pipeline.from_spec(saved.spec, model).generate(None, 0, resume=saved)
     assert resumed.tokens == full.tokens
+
+
+def test_a_checkpoint_from_before_the_keyed_sampler_resumes_with_the_coupled_one(tmp_path):
+    """Format 2 was written while the coupled sampler was the default: a spec that names
+    no sampler drew with it, and resumes so (with the keyed one its tokens would differ)."""
+    model = tiny_model_for("llama-gqa", "float32")
+    spec = {"preset": "eagle", "drafter": {"weights": "random"}, "sampling": SAMPLING}
+    coupled = {**spec, "sampling": {**SAMPLING, "sampler": "coupled"}}
+    full = Pipeline.from_spec(coupled, model).generate([1, 2, 3, 4], 30, seed=4, ignore_eos=True)
+    keyed = Pipeline.from_spec(spec, model).generate([1, 2, 3, 4], 30, seed=4, ignore_eos=True)
+    assert keyed.tokens != full.tokens  # the two samplers draw differently from one seed
+    path = tmp_path / "run.ckpt"
+    Pipeline.from_spec(coupled, model).generate([1, 2, 3, 4], 30, seed=4, ignore_eos=True, checkpoint=path, checkpoint_every=8)
+    data = json.loads(path.read_text())
+    assert data["format"] == "tokenswift-checkpoint/3"
+    data["format"] = "tokenswift-checkpoint/2"
+    data["spec"]["sampling"].pop("sampler")
+    data["tokens"], data["finish_reason"] = data["tokens"][:12], "interrupted"
+    path.write_text(json.dumps(data))
+    saved = Checkpoint.load(path)
+    assert saved.spec["sampling"]["sampler"] == "coupled"
+    assert Pipeline.from_spec(saved.spec, model).generate(None, 0, resume=saved).tokens == full.tokens

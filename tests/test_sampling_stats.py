@@ -20,7 +20,7 @@ import torch
 from tokenswift import Pipeline
 from tokenswift.interfaces import Verdict
 from tokenswift.model.loading import tiny_model
-from tokenswift.sampling import CoupledSampler, InverseCdfSampler
+from tokenswift.sampling import CoupledSampler, InverseCdfSampler, KeyedSampler
 from tokenswift.testing import TINY_CONFIGS
 from tokenswift.tree import DraftTree
 from tokenswift.verifiers.tree_sampling import TreeSamplingVerifier
@@ -149,15 +149,16 @@ def test_per_path_sampling_is_biased_and_tree_sampling_is_not():
     biased = first_token_frequency(lambda: per_path_verify(tree, scores, generator))
     verifier = TreeSamplingVerifier(None, None)
     node_scores = FixedScores(tree, scores[0])
-    seeds = iter(range(runs))
+    seeds = iter(range(2 * runs))
     coupled = first_token_frequency(lambda: verifier.verify(tree, node_scores, CoupledSampler(next(seeds))))
+    keyed = first_token_frequency(lambda: verifier.verify(tree, node_scores, KeyedSampler(next(seeds))))
     inverse_cdf = InverseCdfSampler(torch.Generator().manual_seed(0))
     legacy = first_token_frequency(lambda: verifier.verify(tree, node_scores, inverse_cdf))
 
     sigma = math.sqrt(0.2 * 0.8 / runs)
     # Exactly: 0.7 * 0.2 + 0.7 * 0.8 * (0.2 / 0.7) = 0.30 instead of 0.20.
     assert abs(biased - 0.30) < 5 * sigma and abs(biased - 0.2) > 10 * sigma
-    assert abs(coupled - 0.2) < 5 * sigma and abs(legacy - 0.2) < 5 * sigma
+    assert abs(coupled - 0.2) < 5 * sigma and abs(keyed - 0.2) < 5 * sigma and abs(legacy - 0.2) < 5 * sigma
 
 
 class FixedScores:

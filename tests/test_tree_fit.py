@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tokenswift.sampling import CoupledSampler
+from tokenswift.sampling import make_sampler
 import torch
 
 from tokenswift import Pipeline
@@ -77,8 +77,8 @@ def test_replay_predicts_the_pipelines_steps_exactly(tmp_path, tree, penalty):
     result = pipe.generate(prompt, 60, seed=4, ignore_eos=True)
     assert result.tokens == ar.tokens
     noise = None
-    if not pipe.spec.sampling.greedy:  # the coupled sampler: its drafts are ranked with the draw's noise
-        noise = lambda position: CoupledSampler(4).noise(position, pipe.runner.vocab_size)  # noqa: E731
+    if not pipe.spec.sampling.greedy:  # the keyed sampler: its drafts are ranked with the draw's noise
+        noise = lambda position: make_sampler(pipe.spec.sampling, seed=4).noise(position, pipe.runner.vocab_size)  # noqa: E731
     ranks = tokenswift_ranks(replay(model, heads, prompt + ar.tokens, len(prompt), pipe.scorer, noise=noise), depth=4)
     assert result.stats.tokens_per_step > 1.2  # drafts are really accepted here
     assert tokens_per_step(ranks, index_paths(tree)) == pytest.approx(result.stats.tokens_per_step)

@@ -6,7 +6,8 @@ token's draw depends only on its scores and (seed, position), and drafts only ch
 speed, a resumed run emits exactly what the uninterrupted run would have (in
 float32/float64), whatever state the drafter, retriever or cache had (they are rebuilt
 from the tokens). A checkpoint written before the coupled sampler (format 1) resumes
-with the inverse-CDF sampler it was drawn with.
+with the inverse-CDF sampler it was drawn with, one written before the keyed sampler
+(format 2) with the coupled one.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ import torch
 
 from tokenswift.errors import TokenswiftError
 
-FORMAT = "tokenswift-checkpoint/2"
+FORMAT = "tokenswift-checkpoint/3"
 # Written before the coupled sampler: their runs drew by inverse CDF, and resume so.
 INVERSE_CDF_FORMATS = ("tokenswift-checkpoint/1",)
+# Written before the keyed sampler: a run whose spec names no sampler drew with the coupled one.
+COUPLED_FORMATS = ("tokenswift-checkpoint/2",)
 
 
 @attrs.frozen(kw_only=True)
@@ -82,13 +85,13 @@ class Checkpoint:
         if not isinstance(data, dict):
             raise TokenswiftError(f"{path} is not a tokenswift checkpoint ({FORMAT}): a JSON {type(data).__name__}, not an object")
         written = data.pop("format", None)
-        if written not in (FORMAT, *INVERSE_CDF_FORMATS):
+        if written not in (FORMAT, *INVERSE_CDF_FORMATS, *COUPLED_FORMATS):
             raise TokenswiftError(f"{path} is not a tokenswift checkpoint ({FORMAT})")
         _check_fields(path, data)
-        if written in INVERSE_CDF_FORMATS:
+        if written in (*INVERSE_CDF_FORMATS, *COUPLED_FORMATS):
             sampling = data["spec"].setdefault("sampling", {})
             if isinstance(sampling, dict) and not sampling.get("greedy"):
-                sampling.setdefault("sampler", "inverse-cdf")
+                sampling.setdefault("sampler", "inverse-cdf" if written in INVERSE_CDF_FORMATS else "coupled")
         try:
             data["rng_state"] = base64.b64decode(data["rng_state"], validate=True)
             checkpoint = cls(**data)

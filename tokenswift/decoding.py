@@ -311,7 +311,7 @@ class Generation:
         if DRAFTER in proposers:
             started = time.perf_counter()
             inputs = DraftInputs(
-                parent_hidden=self.parent_hidden, root_pass=root_pass, noise=self._noise_at_depth,
+                parent_hidden=self.parent_hidden, root_pass=root_pass, noise=self._noise_at_depth, noise_at=self._noise_of_ids,
                 draw_drafts=self._draw_drafts, sampled=setup.sampled_drafts,
             )
             tree.add_branches(setup.drafter.propose(state, inputs))
@@ -328,6 +328,10 @@ class Generation:
         (depth 1: the token after the root), on the model's device; None without any."""
         noise = self.sampler.noise(len(self.state.tokens) - 1 + depth, self.setup.runner.vocab_size)
         return None if noise is None else noise.to(self.setup.runner.device)
+
+    def _noise_of_ids(self, depth: int, ids: torch.Tensor) -> torch.Tensor | None:
+        """:meth:`_noise_at_depth` at token ``ids`` only ([n] long, on the model's device)."""
+        return self.sampler.noise_at(len(self.state.tokens) - 1 + depth, ids, self.setup.runner.vocab_size)
 
     def _draw_drafts(self, q: torch.Tensor, k: int, depth: int) -> list[int] | None:
         """``k`` tokens from ``q`` without replacement for children at ``depth``

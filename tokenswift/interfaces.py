@@ -93,6 +93,10 @@ def _no_noise(depth: int) -> torch.Tensor | None:
     return None
 
 
+def _no_noise_at(depth: int, ids: torch.Tensor) -> torch.Tensor | None:
+    return None
+
+
 def _no_draws(q: torch.Tensor, k: int, depth: int) -> list[int] | None:
     return None
 
@@ -124,8 +128,18 @@ class DraftInputs:
     parent_hidden: torch.Tensor | None = None
     root_pass: Callable[[], RootPass | None] = _no_root_pass
     noise: Callable[[int], torch.Tensor | None] = _no_noise
+    noise_at: Callable[[int, torch.Tensor], torch.Tensor | None] = _no_noise_at
     draw_drafts: Callable[[torch.Tensor, int, int], list[int] | None] = _no_draws
     sampled: bool = False
+
+    def noise_of(self, depth: int, ids: torch.Tensor) -> torch.Tensor | None:
+        """The noise at ``depth`` for token ``ids`` ([n] long) alone: ``noise_at``'s, or
+        where it gives none, the entries of ``noise``'s vector."""
+        at = self.noise_at(depth, ids)
+        if at is not None:
+            return at
+        full = self.noise(depth)
+        return None if full is None else full.to(ids.device)[ids]
 
 
 @attrs.frozen(kw_only=True, eq=False)

@@ -133,14 +133,15 @@ class SamplingSpec:
     eta: float | None = attrs.field(
         default=None, converter=_number("eta", float), validator=_in_range("eta", 0, 1, low_open=True, high_open=True)
     )
-    # "coupled": Gumbel-max keyed by (seed, position), which drafters can couple to;
-    # "inverse-cdf": one uniform per token in order (checkpoints written before).
-    sampler: str = attrs.field(default="coupled")
+    # "keyed": Gumbel-max with noise keyed by (seed, position, token), which drafters can
+    # couple to; "coupled": the same with a Philox vector per (seed, position); "inverse-cdf":
+    # one uniform per token in order (checkpoints written before each resume with theirs).
+    sampler: str = attrs.field(default="keyed")
 
     @sampler.validator
     def _check_sampler(self, attribute, value):
-        if value not in ("coupled", "inverse-cdf"):
-            raise SpecError(f"sampling.sampler must be one of ['coupled', 'inverse-cdf'], got {value!r}")
+        if value not in ("keyed", "coupled", "inverse-cdf"):
+            raise SpecError(f"sampling.sampler must be one of ['keyed', 'coupled', 'inverse-cdf'], got {value!r}")
 
     def __attrs_post_init__(self):
         if self.greedy and (self.top_k or self.top_p or self.min_p or self.eta or self.temperature != 1.0):

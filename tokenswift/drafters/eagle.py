@@ -551,7 +551,7 @@ class EagleDrafter(Drafter):
             return ids, [[float(row[t]) for t in row_ids] for row, row_ids in zip(q, ids)], q
         ranking = probs
         if noise is not None:
-            ranking, probs = coupled_rating(probs, noise[self.draft_token_ids])
+            ranking, probs = coupled_rating(probs, noise)
         top = ranking.topk(min(k, ranking.shape[-1]), dim=-1)
         ids = [[self.draft_tokens[i] for i in row] for row in top.indices.tolist()]
         return ids, probs.gather(-1, top.indices).tolist(), None
@@ -635,7 +635,7 @@ class EagleDrafter(Drafter):
         breadth = self.breadth_limit
         width, children = min(options.width, breadth), min(options.children, breadth)
         if root is None:
-            ids, probs, q = self._ranked(root_logits[None], tail, [[]], children, inputs.noise(1), draw(1))
+            ids, probs, q = self._ranked(root_logits[None], tail, [[]], children, inputs.noise_of(1, self.draft_token_ids), draw(1))
         else:
             # The target's own feature of the root's position, not the layer's guess of
             # it: depth 2 is drafted as well as depth 1 is without a pass.
@@ -666,7 +666,7 @@ class EagleDrafter(Drafter):
             )  # out: [w, H]
             pairs = kv.draft(keys, values, visible).tolist()
             ids, probs, q = self._ranked(
-                logits, tail, [n.tokens for n in expand], children, inputs.noise(depth + 1), draw(depth + 1)
+                logits, tail, [n.tokens for n in expand], children, inputs.noise_of(depth + 1, self.draft_token_ids), draw(depth + 1)
             )
             if q is not None:
                 sampled.extend(SampledChildren(n.tokens, q[row], ids[row], probs[row]) for row, n in enumerate(expand))

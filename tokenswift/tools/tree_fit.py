@@ -32,7 +32,7 @@ from tokenswift.drafters.template import index_paths
 from tokenswift.errors import SpecError
 from tokenswift.pipeline import Pipeline
 from tokenswift.registry import build_registry, get_plugin_manager
-from tokenswift.sampling import CoupledSampler
+from tokenswift.sampling import make_sampler
 from tokenswift.scoring import Scorer
 from tokenswift.spec import PipelineSpec
 
@@ -228,8 +228,8 @@ def fit_for_heads(
             stream = (lambda chunk: progress(len(chunk.tokens))) if progress is not None else None
             result = ar.generate(list(prompt), new_tokens, seed=seed, ignore_eos=True, stream=stream)
             noise = None
-            if not ar.spec.sampling.greedy and ar.spec.sampling.sampler == "coupled":
-                sampler, vocab = CoupledSampler(seed), ar.runner.vocab_size
+            sampler, vocab = make_sampler(ar.spec.sampling, seed=seed), ar.runner.vocab_size
+            if sampler.noise(0, 1) is not None:  # a Gumbel-max sampler: drafts ranked with its noise
                 noise = lambda position, sampler=sampler, vocab=vocab: sampler.noise(position, vocab)  # noqa: E731
             replayed = replay(model, heads, list(prompt) + result.tokens, len(prompt), ar.scorer, noise=noise)
             ranks[seed, decoding] = tokenswift_ranks(replayed, depth)
