@@ -21,4 +21,4 @@ class MedusaDrafter(HeadDrafter):
         return self.heads.num_heads
 
     def propose(self, state, inputs):
-        return self.from_parent(inputs.parent_hidden, self.paths, self.widths, inputs.noise)
+        return self.from_parent(inputs.parent_hidden, self.paths, self.widths, inputs.noise_of)

@@ -129,7 +129,7 @@ class TokenSwiftDrafter(HeadDrafter):
             return self.layer.propose(state, inputs)
         root = inputs.root_pass()
         if root is None:  # no drafting pass this step
-            return self.from_parent(inputs.parent_hidden, self.parent_paths, self.parent_widths, inputs.noise)
+            return self.from_parent(inputs.parent_hidden, self.parent_paths, self.parent_widths, inputs.noise_of)
         first = root.output.logits  # [1, vocab]: the LM head on the root, depth 1
         scorer = self.context.scorer
         context = scorer.context(state.tokens, device=first.device)
@@ -145,4 +145,4 @@ class TokenSwiftDrafter(HeadDrafter):
         heads = self._head_logits(root.output.hidden[0]).to(first.dtype)
         ranking = torch.cat([ranking, heads])
         probs = torch.cat([chance, heads.float().softmax(-1).to(chance.dtype)])
-        return self.candidates(self.paths, self.widths, ranking[: len(self.widths)], probs[: len(self.widths)], inputs.noise)
+        return self.candidates(self.paths, self.widths, ranking[: len(self.widths)], probs[: len(self.widths)], inputs.noise_of)
