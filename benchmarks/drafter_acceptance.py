@@ -6,9 +6,10 @@ good the drafts are, apart from what they cost here.
 
 The held-out 2,048-token prompt (the bundled *Wuthering Heights*, never trained on),
 seed 0, with the presets' penalty; greedy decoding, and the paper's sampling (T = 1,
-min-p 0.1) with each sampler: ``coupled`` (the default: Gumbel-max keyed by position,
-the drafters rank by log q plus the same noise) and ``inverse-cdf`` (the sampler before
-it, drafts independent of the draw); and ``rejection`` (the rejection verifier, drafts
+min-p 0.1) with each sampler: ``keyed`` (the default: Gumbel-max with noise keyed by
+position and token, the drafters rank by log q plus the same noise), ``coupled`` (the
+same law, a Philox vector per position) and ``inverse-cdf`` (the sampler before them,
+drafts independent of the draw); and ``rejection`` (the rejection verifier, drafts
 drawn from q where the drafter can: ``eagle``). With ``--drafters-alone`` each drafter runs without
 n-gram reuse and over the full cache; otherwise the presets as shipped (retriever and
 cache included; ``tokenswift``'s pass every step). Writes acceptance.json and
@@ -33,9 +34,10 @@ from tokenswift.spec import ModelSpec
 
 DECODINGS = {
     "greedy": {"greedy": True},
-    "coupled": {"sampler": "coupled"},  # the paper's sampling, drawn by each sampler
+    "keyed": {"sampler": "keyed"},  # the paper's sampling, drawn by each sampler
+    "coupled": {"sampler": "coupled"},
     "inverse-cdf": {"sampler": "inverse-cdf"},
-    "rejection": {"sampler": "coupled", "verifier": "rejection"},  # drafts drawn from q, rejection sampling
+    "rejection": {"sampler": "keyed", "verifier": "rejection"},  # drafts drawn from q, rejection sampling
 }
 
 

@@ -84,6 +84,15 @@ def test_replay_predicts_the_pipelines_steps_exactly(tmp_path, tree, penalty):
     assert tokens_per_step(ranks, index_paths(tree)) == pytest.approx(result.stats.tokens_per_step)
 
 
+def test_the_replay_ranks_among_the_heads_shortlist(tmp_path, monkeypatch):
+    """Coupled to the draw, the heads rank a depth's SHORTLIST likeliest tokens only: the
+    replay must too (the tiny vocabulary of 64 otherwise fits in the shortlist)."""
+    from tokenswift.drafters import head_based
+
+    monkeypatch.setattr(head_based, "SHORTLIST", 8)
+    test_replay_predicts_the_pipelines_steps_exactly(tmp_path, [1, 3, 3, 3], PENALTY)
+
+
 def test_a_tree_saved_beside_the_heads_is_the_drafters_default(tmp_path):
     model = tiny_model_for("llama-gqa")
     DraftHeads.random(model).save_pretrained(tmp_path)

@@ -116,6 +116,9 @@ class DraftInputs:
     scores, or None (greedy decoding, or a sampler without noise). A drafter that ranks
     that depth's candidates by ``log q + noise`` proposes the token the target's own
     draw lands on whenever its q agrees with the target's distribution near the top.
+    noise_at: ``noise_at(depth, ids)``, that noise at token ``ids`` alone ([n] long ->
+    [n] float64, or None): the keyed sampler computes just those entries, for a drafter
+    that ranks its own vocabulary (:meth:`noise_of` falls back on ``noise``).
     draw_drafts: ``draw_drafts(q, k, depth)`` draws k distinct tokens from ``q`` ([vocab],
     summing to 1) without replacement, in order, for the children at ``depth`` of the
     node being expanded (siblings' draws at one depth may share numbers: only one node

@@ -1,6 +1,6 @@
 """Drawing tokens: argmax, or a Gumbel-max draw keyed by (seed, position).
 
-The coupled sampler (the default) draws the token at absolute position t as
+A Gumbel-max sampler draws the token at absolute position t as
 ``argmax(scores + G_t)``, G_t noise fixed by (seed, t) alone. A speculative run and
 autoregressive decoding with the same seed thus draw every emitted token from the same
 scores with the same noise: in float32/float64 the outputs are identical, not just equal
@@ -138,7 +138,7 @@ def _mix(*words: int) -> int:
 class CoupledSampler(Sampler):
     """Gumbel-max: the token at ``position`` is ``argmax(scores + G)``, G a vector of
     standard Gumbel noise (``-log E``, E exponential) from a counter-based generator
-    (Philox) keyed by (seed, position), the same on every device and rank. That is an
+    (Philox) keyed by (seed, position), computed on the CPU: the same on every device and rank. That is an
     exact draw from ``softmax(scores)``; and a drafter given the same G (see
     :meth:`noise`) proposes ``argmax(log q + G)``, which the target's own draw equals far
     more often than an independent draw from q would (Daliri, Musco, Suresh, arXiv
@@ -216,9 +216,10 @@ def keyed_bits(key: int, ids: torch.Tensor) -> torch.Tensor:
 def keyed_gumbel(key: int, ids: torch.Tensor) -> torch.Tensor:
     """Standard Gumbel noise [n] float64 for ``ids`` under ``key``: ``-log(-log u)``, u
     the top 52 bits of :func:`keyed_bits` plus a half, over 2**52 (in (0, 1), never 0 or 1:
-    every value finite)."""
-    uniform = _shifted(keyed_bits(key, ids), 12).to(torch.float64).add_(0.5).mul_(2.0**-52)
-    return uniform.log_().neg_().log_().neg_()
+    every value finite). Computed on the CPU (a GPU's float64 log may round otherwise)
+    and returned on ``ids``' device."""
+    uniform = _shifted(keyed_bits(key, ids.cpu()), 12).to(torch.float64).add_(0.5).mul_(2.0**-52)
+    return uniform.log_().neg_().log_().neg_().to(ids.device)
 
 
 class KeyedSampler(CoupledSampler):

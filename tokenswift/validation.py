@@ -7,8 +7,8 @@ import numbers
 
 from tokenswift.errors import SpecError
 
-# A run's seed: 64 bits, what torch's generator (the inverse-CDF sampler) and the coupled
-# sampler's Philox key take. Negative seeds are refused: torch would fold -1 onto
+# A run's seed: 64 bits, what torch's generator (the inverse-CDF sampler), the coupled
+# sampler's Philox key and the keyed sampler's hash take. Negative seeds are refused: torch would fold -1 onto
 # 2**64 - 1, so two spellings of one run would be reported as different seeds.
 SEED_MAX = 2**64 - 1
 

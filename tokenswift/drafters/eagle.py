@@ -522,8 +522,9 @@ class EagleDrafter(Drafter):
         -> per row the k best draft tokens (target ids) and their
         probabilities, scored as verification will score them: with ``penalize``, the
         pipeline's penalty and warpers over each row's context, applied within the
-        draft vocabulary (ids outside it share one extra column). ``noise`` [vocab]:
-        the sampler's noise at the rows' depth (siblings share it); with it, the rows
+        draft vocabulary (ids outside it share one extra column). ``noise`` [V']:
+        the sampler's noise at the rows' depth for the draft vocabulary's tokens
+        (siblings share it); with it, the rows
         are ranked and rated coupled to the target's draw
         (:func:`~tokenswift.drafters.head_based.coupled_rating`). ``draw(q, k)``: draw
         the k tokens from each row's q instead (the rejection verifier's drafts), and

@@ -129,7 +129,7 @@ class HeadDrafter(Drafter):
 
 def coupled_rating(probs: torch.Tensor, noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A depth's ranking and confidences under the coupled sampler. probs: [V] the
-    draft's q; noise: [V] the Gumbel noise the target's draw there adds.
+    draft's q; noise: [V] the Gumbel noise the target's draw there adds to those V tokens.
 
     Ranking: ``log q + noise``, whose top is ``argmax(log q + G)``, the token the target's
     ``argmax(log p + G)`` lands on whenever p and q agree near the top. Confidence:

@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import heapq
 import logging
+import math
 from collections.abc import Sequence
 
 import torch
 
+from tokenswift.drafters import head_based
 from tokenswift.drafters.template import index_paths
 from tokenswift.errors import SpecError
 from tokenswift.pipeline import Pipeline
@@ -63,9 +65,9 @@ def replay(
 ) -> dict[str, torch.Tensor]:
     """Ranks of the drawn tokens ``tokens[start:]`` (m of them) of one generation.
 
-    ``noise(position)``: the coupled sampler's Gumbel noise [vocab] of the run that made
+    ``noise(position)``: the Gumbel-max sampler's noise [vocab] of the run that made
     the text (None: greedy, or the inverse-CDF sampler); with it, every rank is taken as
-    the drafters rank under coupled sampling, by log-probability plus the noise of the
+    the drafters rank coupled to the draw, by log-probability plus the noise of the
     token's position.
 
     model: the causal LM; heads: its :class:`~tokenswift.drafters.draft_heads.DraftHeads`;
@@ -117,12 +119,17 @@ def replay(
 
 
 def _coupled(rows: torch.Tensor, positions, noise) -> torch.Tensor:
-    """rows [c, vocab] as a drafter ranks them under the coupled sampler: its
+    """rows [c, vocab] as a head drafter ranks them coupled to the draw: among each
+    row's :data:`~tokenswift.drafters.head_based.SHORTLIST` likeliest tokens, its
     probabilities (float32, as the drafters compute them) in log space plus each
-    position's noise; unchanged without noise."""
+    position's noise (the rest at -inf: never proposed); unchanged without noise."""
     if noise is None or len(rows) == 0:
         return rows
-    return rows.float().softmax(-1).double().log() + torch.stack([noise(p) for p in positions]).to(rows.device)
+    probs = rows.float().softmax(-1)
+    short = probs.topk(min(head_based.SHORTLIST, probs.shape[-1]), dim=-1).indices  # [c, S]
+    full = torch.stack([noise(p) for p in positions]).to(rows.device)
+    rated = probs.gather(-1, short).double().log() + full.gather(-1, short)
+    return torch.full(probs.shape, -math.inf, dtype=torch.float64, device=rows.device).scatter_(-1, short, rated)
 
 
 def depth_ranks(first: torch.Tensor, deeper: Sequence[torch.Tensor], depth: int) -> torch.Tensor:
