@@ -157,23 +157,27 @@ class CoupledSampler(Sampler):
         if cached is None:
             if position < 0:
                 raise ValueError(f"a draw's position must be >= 0, got {position}")
-            rng = np.random.Generator(np.random.Philox(key=[position, self.seed]))
-            exponential = np.maximum(rng.standard_exponential(size), 1e-300)  # never log(0)
-            cached = torch.from_numpy(-np.log(exponential))
+            cached = self._vector(position, size)
             if len(self._noise) >= self.CACHED:
                 del self._noise[min(self._noise)]
             self._noise[key] = cached
         return cached
 
+    def _vector(self, position: int, size: int) -> torch.Tensor:
+        """The noise [size] float64 of ``position`` (uncached)."""
+        rng = np.random.Generator(np.random.Philox(key=[position, self.seed]))
+        exponential = np.maximum(rng.standard_exponential(size), 1e-300)  # never log(0)
+        return torch.from_numpy(-np.log(exponential))
+
     def draw(self, scores: torch.Tensor, position: int) -> int:
-        noise = self.noise(position, scores.numel()).to(scores.device)
         kept = torch.isfinite(scores).nonzero()[:, 0]  # what the warpers left (filtered: -inf)
         if len(kept) == scores.numel():
+            noise = self.noise(position, scores.numel()).to(scores.device)
             return int((scores.to(torch.float64) + noise).argmax())
         # Only a kept token can win: the argmax over them, in id order, is the argmax over
         # all (a tie goes to the lowest id either way). After min-p a few tokens are kept,
         # and this is ~0.05 ms where the sum over the vocabulary in float64 was ~0.6.
-        return int(kept[(scores[kept].to(torch.float64) + noise[kept]).argmax()])
+        return int(kept[(scores[kept].to(torch.float64) + self.noise_at(position, kept, scores.numel())).argmax()])
 
     def _stream(self, position: int, stream: int) -> np.random.Generator:
         return np.random.Generator(np.random.Philox(key=[position, _mix(self.seed, stream)]))
@@ -230,31 +234,13 @@ class KeyedSampler(CoupledSampler):
     draws), a drafter that of its draft vocabulary. The extra random numbers of the
     rejection verifier are the coupled sampler's streams."""
 
-    def _key(self, position: int) -> int:
-        if position < 0:
-            raise ValueError(f"a draw's position must be >= 0, got {position}")
-        return _mix(self.seed, position)
-
-    def noise(self, position: int, size: int) -> torch.Tensor:
-        key = (position, size)
-        cached = self._noise.get(key)
-        if cached is None:
-            cached = keyed_gumbel(self._key(position), torch.arange(size))
-            if len(self._noise) >= self.CACHED:
-                del self._noise[min(self._noise)]
-            self._noise[key] = cached
-        return cached
+    def _vector(self, position: int, size: int) -> torch.Tensor:
+        return keyed_gumbel(_mix(self.seed, position), torch.arange(size))
 
     def noise_at(self, position: int, ids: torch.Tensor, size: int) -> torch.Tensor:
-        return keyed_gumbel(self._key(position), ids)
-
-    def draw(self, scores: torch.Tensor, position: int) -> int:
-        kept = torch.isfinite(scores).nonzero()[:, 0]  # what the warpers left (filtered: -inf)
-        if len(kept) == scores.numel():
-            noise = self.noise(position, scores.numel()).to(scores.device)
-            return int((scores.to(torch.float64) + noise).argmax())
-        # only a kept token can win; the argmax over them in id order is the one over all
-        return int(kept[(scores[kept].to(torch.float64) + self.noise_at(position, kept, scores.numel())).argmax()])
+        if position < 0:
+            raise ValueError(f"a draw's position must be >= 0, got {position}")
+        return keyed_gumbel(_mix(self.seed, position), ids)
 
 
 class InverseCdfSampler(Sampler):
