@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 import time
 from typing import ClassVar
 
@@ -180,7 +181,13 @@ def calibrate(runner, scorer, *, max_nodes: int = NODE_COUNTS[-1], progress=None
     sampler = make_sampler(scorer.sampling, seed=0)
     hidden = torch.zeros(1, runner.config.hidden_size, dtype=runner.dtype, device=runner.device)
     context_ids = scorer.context(list(range(min(scorer.window, 64))), device=runner.device)
-    score_ms = least_ms(lambda: sampler.draw(scorer(context_ids, runner.logits(hidden))[0], 0), max(3, repeats))
+    # The draw is timed where the scores it draws from are drawable: a penalty may turn
+    # this made-up context's scores to NaN (a run stops there; the calibration must not).
+    peak = float(scorer(context_ids, runner.logits(hidden))[0].amax())
+    if math.isfinite(peak):
+        score_ms = least_ms(lambda: sampler.draw(scorer(context_ids, runner.logits(hidden))[0], 0), max(3, repeats))
+    else:
+        score_ms = least_ms(lambda: scorer(context_ids, runner.logits(hidden)), max(3, repeats))
     head_ms, head_rows_ms, head_few_rows_ms = (
         head_product_ms(runner, rows, max(3, repeats)) for rows in (1, ONE_PRODUCT_ROWS, FEW_PRODUCT_ROWS)
     )
