@@ -310,7 +310,7 @@ class Runner:
 
     def commit(self, kept: torch.Tensor | list[int]) -> None:
         """Keep staged tokens ``kept`` (indices into the latest full forward's tokens)."""
-        self._require_store().commit(torch.as_tensor(kept, dtype=torch.long, device=self.device))
+        self._require_store().commit(kept)
 
     def truncate(self, length: int) -> None:
         self._require_store().truncate(length)
