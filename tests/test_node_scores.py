@@ -57,17 +57,20 @@ def test_nodes_scored_together_equal_each_scored_alone(sampling, committed):
 
 
 def test_a_companion_that_is_not_finite_stops_nothing_until_visited():
-    class NanAfterNine(ContextualPenalty):
+    class NanAfterSeven(ContextualPenalty):
         def apply(self, contexts, scores):
             scores = super().apply(contexts, scores)
-            return torch.where((contexts[:, -1:] == 9), torch.full_like(scores, float("nan")), scores)
+            return torch.where((contexts[:, -1:] == 7), torch.full_like(scores, float("nan")), scores)
 
-    scorer = Scorer(NanAfterNine(NanAfterNine.Options(value=1.2, window=4), None), SamplingSpec(greedy=True))
+    scorer = Scorer(NanAfterSeven(NanAfterSeven.Options(value=1.2, window=4), None), SamplingSpec(greedy=True))
     table = torch.randn(5, VOCAB, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    scores, _ = _scores(scorer, table, [1, 2, 3, 4, 6], with_root=[1, 2])  # contexts of one length: one call
-    assert torch.isfinite(scores[0]).all() and torch.isfinite(scores[1]).all()
-    with pytest.raises(NonFiniteScoresError, match="tree node 2"):
-        scores[2]  # node 2 holds token 9: its own context ends with it
+    # contexts of one length: the root and node 1 (token 7) are scored in one call
+    scores, runner = _scores(scorer, table, [1, 2, 3, 4, 6], with_root=[1, 2])
+    assert torch.isfinite(scores[0]).all()
+    with pytest.raises(NonFiniteScoresError, match="tree node 1"):
+        scores[1]  # node 1 holds token 7: its own context ends with it
+    assert torch.isfinite(scores[4]).all()  # its sibling (token 8) is fine
+    assert runner.calls[0] == 3  # the root's product held its companions' rows
 
 
 def test_all_filtered_out_is_caught_for_a_node_scored_alone():

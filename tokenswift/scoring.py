@@ -109,13 +109,14 @@ FEW_PRODUCT_ROWS = 4
 
 
 # The most nodes whose scores are computed in one call of the scorer: the root and the
-# likeliest of the nodes whose LM-head rows came with its product (a visited path's
-# next nodes). One call for several rows costs little more than for one (the penalty's
-# and the warpers' per-call work dominates a row's), while a row scored and never
-# visited costs its share of the vocabulary-wide work: on a 2-core AMD EPYC Zen 4
-# (greedy ``eagle``, 2K prompt) a node scored alone took ~0.15 ms in the scorer and ~0.1
-# ms in the finiteness checks.
-SCORED_TOGETHER = 4
+# likeliest node whose LM-head row came with its product (the likely path's next node).
+# A row scored and never visited costs its share of the vocabulary-wide work (the
+# penalty, and under sampling min-p's softmax), a row scored apart one more call. On a
+# 2-core AMD EPYC Zen 4 (``eagle``, 2K prompt, compiled, 512 tokens; ms a speculative
+# step outside the LM head in verification, 1 / 2 / 4 nodes together): greedy 0.8 / 0.9 /
+# 0.9, the paper's sampling 1.6 / 1.6 / 1.8 (1.46-1.69 tokens a step: the root's child is
+# visited in about half the steps, its grandchild rarely).
+SCORED_TOGETHER = 2
 
 
 class NodeScores:
