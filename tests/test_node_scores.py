@@ -8,7 +8,7 @@ import torch
 
 from tokenswift.errors import NonFiniteScoresError
 from tokenswift.penalties.contextual import ContextualPenalty
-from tokenswift.scoring import SCORED_TOGETHER, NodeScores, Scorer
+from tokenswift.scoring import SCORED_TOGETHER, NodeScores, Scorer, finite_rows
 from tokenswift.spec import SamplingSpec
 from tokenswift.tree import DraftTree
 
@@ -100,3 +100,15 @@ def test_no_more_than_the_batch_is_scored_with_the_root():
     for node in range(1, 5):
         scores[node]
     assert sum(calls) == 5  # the rest one at a time, each once
+
+
+def test_finite_rows_tells_drawable_rows_from_the_rest():
+    inf, nan = float("inf"), float("nan")
+    rows = torch.tensor([
+        [0.5, -inf, 2.0, -inf],  # filtered entries, still drawable
+        [0.5, nan, 2.0, 1.0],
+        [0.5, inf, 2.0, 1.0],
+        [-inf, -inf, -inf, -inf],
+        [-inf, -inf, 3.0, -inf],
+    ])
+    assert finite_rows(rows) == [True, False, False, False, True]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-import math
 import time
 from typing import ClassVar
 
@@ -26,7 +25,7 @@ import torch
 from tokenswift.machine import machine_name
 from tokenswift.records import CALIBRATION_FORMAT, CachedRecord, machine_key
 from tokenswift.sampling import make_sampler
-from tokenswift.scoring import FEW_PRODUCT_ROWS, ONE_PRODUCT_ROWS
+from tokenswift.scoring import FEW_PRODUCT_ROWS, ONE_PRODUCT_ROWS, finite_rows
 from tokenswift.timing import chain_forward, interleaved_ms, least_ms, measured_contexts
 
 logger = logging.getLogger(__name__)
@@ -183,8 +182,7 @@ def calibrate(runner, scorer, *, max_nodes: int = NODE_COUNTS[-1], progress=None
     context_ids = scorer.context(list(range(min(scorer.window, 64))), device=runner.device)
     # The draw is timed where the scores it draws from are drawable: a penalty may turn
     # this made-up context's scores to NaN (a run stops there; the calibration must not).
-    peak = float(scorer(context_ids, runner.logits(hidden))[0].amax())
-    if math.isfinite(peak):
+    if finite_rows(scorer(context_ids, runner.logits(hidden)))[0]:
         score_ms = least_ms(lambda: sampler.draw(scorer(context_ids, runner.logits(hidden))[0], 0), max(3, repeats))
     else:
         score_ms = least_ms(lambda: scorer(context_ids, runner.logits(hidden)), max(3, repeats))

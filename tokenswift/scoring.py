@@ -92,6 +92,13 @@ class Scorer:
         return self.warp(contexts, self.penalize(contexts, logits))
 
 
+def finite_rows(scores: torch.Tensor) -> list[bool]:
+    """Per row of processed scores ([n, vocab]): whether a token can be drawn from it (no
+    NaN, no +inf, not all -inf), from one max-reduction a row: max propagates NaN, is
+    +inf where any entry is and -inf where every entry is."""
+    return [math.isfinite(peak) for peak in scores.amax(-1).tolist()]
+
+
 # The most LM-head rows a step computes in one product with the root's: the kept nodes
 # likeliest to be visited. Where a kernel reads the head once for all rows, 12 rows cost
 # little more than one (SmolLM2-135M's 57 MB head, bfloat16, the few-rows kernel on a
@@ -180,19 +187,21 @@ class NodeScores:
                 rows = [node, *self.with_root] if node == 0 else [node]
                 for row, logits in zip(rows, self.runner.logits(self.hidden[rows])):  # [len(rows), vocab]
                     self._logits.setdefault(row, logits)
-            nodes = [node]
+            nodes, contexts = [node], [self.context(node)]
             if node == 0:  # its likeliest companions whose contexts are as long as its own (they stack)
-                length = self.context(0).shape[1]
-                nodes += [n for n in self.with_root if n not in self._cache and self.context(n).shape[1] == length]
-                nodes = nodes[:SCORED_TOGETHER]
-            contexts = torch.cat([self.context(n) for n in nodes]) if len(nodes) > 1 else self.context(node)
-            logits = torch.stack([self._logits[n] for n in nodes])  # [k, vocab]
-            scores = self.scorer(contexts, logits)
-            # One reduction checks a row: its max is NaN where any entry is (max
-            # propagates NaN), +inf where any is, -inf where all are filtered out.
-            peaks = scores.amax(-1).tolist()
-        for row, (n, peak) in enumerate(zip(nodes, peaks)):
-            if math.isnan(peak) or math.isinf(peak):
+                for companion in self.with_root:
+                    if len(nodes) == SCORED_TOGETHER:
+                        break
+                    if companion in self._cache:
+                        continue
+                    context = self.context(companion)
+                    if context.shape[1] == contexts[0].shape[1]:
+                        nodes.append(companion)
+                        contexts.append(context)
+            scores = self.scorer(torch.cat(contexts), torch.stack([self._logits[n] for n in nodes]))  # [k, vocab]
+            drawable = finite_rows(scores)
+        for row, n in enumerate(nodes):
+            if not drawable[row]:
                 if n != node:
                     continue  # a companion is checked again if it is visited
                 raise NonFiniteScoresError(
