@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from tokenswift import compile_costs
-from tokenswift.compiling import TREE_COMPILE_SHARE, CompileCalibration, affordable_tree_sizes, one_token_compile_seconds
+from tokenswift.compiling import (
+    TREE_COMPILE_SHARE, WHOLE_TREES_FROM_TOKENS, CompileCalibration, affordable_tree_sizes, decide, one_token_compile_seconds,
+)
 from tokenswift.model import compiled as compiled_module
 from tokenswift.model.compiled import rope_scaling_as_input
 from tokenswift.model.loading import tiny_model
@@ -108,13 +110,19 @@ def _calibration(step_ms: float, sizes=(2, 4, 8)) -> CompileCalibration:
 
 
 @needs_compiler
-def test_auto_compiles_only_the_tree_graphs_a_run_repays(ledger_home, monkeypatch, caplog):
+@pytest.mark.parametrize("layered", [False, True])
+def test_auto_compiles_only_the_tree_graphs_a_run_repays(ledger_home, monkeypatch, caplog, layered):
+    """Tree graphs of the whole decoder or of a run of layers (their own name in the
+    ledger): each compiled only where the run's share of compiling holds its expected cost."""
     runner = Runner(tiny_model(TINY_CONFIGS["llama-gqa"], dtype="float32"))
-    runner.use_compiled(True)
+    compiled = runner.use_compiled(True)
+    monkeypatch.setattr(compiled, "layered_problem", None if layered else "whole decoder, for this test")
+    name = compiled.tree_graph_name
+    assert name == ("layered-tree" if layered else "tree")
     machine = machine_key(runner)
     calibration = _calibration(step_ms=20.0)
     for size, seconds in ((2, 4.0), (4, 5.0), (8, 6.0)):
-        compile_costs.record(compile_costs.graph_key(machine, "tree", size), seconds, warm=True)
+        compile_costs.record(compile_costs.graph_key(machine, name, size), seconds, warm=True)
 
     def affordable(new_tokens):
         return affordable_tree_sizes(runner, (2, 4, 8), calibration, context=2048, new_tokens=new_tokens)
@@ -128,12 +136,16 @@ def test_auto_compiles_only_the_tree_graphs_a_run_repays(ledger_home, monkeypatc
     assert affordable(4500) == (2, 4)
     assert affordable(100_000) == (2, 4, 8)
     # a graph this process compiled already costs nothing
-    monkeypatch.setattr(runner.compiled, "has_tree_graph", lambda size: size == 8)
+    monkeypatch.setattr(compiled, "has_tree_graph", lambda size: size == 8)
     assert affordable(1000) == (8,)
-    # never compiled here (nor by the calibration): expected cold, and not repaid
-    monkeypatch.setattr(runner.compiled, "has_tree_graph", lambda size: False)
-    assert affordable_tree_sizes(runner, (16,), calibration, context=2048, new_tokens=40_000) == ()  # 80 s < 90
-    assert affordable_tree_sizes(runner, (16,), calibration, context=2048, new_tokens=50_000) == (16,)
+    # never compiled here: expected cold, at what the calibration's cold compiles took
+    # (90 s: whole decoders), or for a run of layers at the cold compiles of its kind
+    # (none here: DEFAULT_SECONDS), and not repaid
+    monkeypatch.setattr(compiled, "has_tree_graph", lambda size: False)
+    cold = compile_costs.DEFAULT_SECONDS["layered-tree"][1] if layered else 90.0
+    repaid = int(cold / (TREE_COMPILE_SHARE * 0.020))  # tokens whose share of compiling holds it
+    assert affordable_tree_sizes(runner, (16,), calibration, context=2048, new_tokens=repaid - 1000) == ()
+    assert affordable_tree_sizes(runner, (16,), calibration, context=2048, new_tokens=repaid + 1000) == (16,)
 
 
 @needs_compiler
@@ -157,3 +169,39 @@ def test_the_one_token_graphs_are_priced_as_the_forwards_warm_compile(ledger_hom
     assert one_token_compile_seconds(runner) == compile_costs.DEFAULT_WARM_SECONDS
     compile_costs.record(compile_costs.graph_key(machine_key(runner), "forward", 1), 6.5, warm=True)
     assert one_token_compile_seconds(runner) == 6.5
+
+
+def test_graphs_of_a_run_of_layers_are_priced_by_their_own_kind(ledger_home):
+    """A tree graph of a run of layers compiles ~10x faster than one of the whole
+    decoder: one never compiled here is priced by the layered graphs measured here, or
+    by their own defaults, never by the whole decoder's compiles."""
+    layered = compile_costs.graph_key("machine", "layered-tree", 8)
+    warm, cold = compile_costs.DEFAULT_SECONDS["layered-tree"]
+    compile_costs.record(compile_costs.graph_key("machine", "tree", 4), 91.0, warm=False)
+    compile_costs.record(compile_costs.graph_key("machine", "forward", 1), 7.0, warm=True)
+    assert compile_costs.expected_seconds(layered) == cold
+    assert compile_costs.expected_seconds(layered, seen=True) == warm
+    compile_costs.record(compile_costs.graph_key("machine", "layered-tree", 4), 6.5, warm=False)
+    compile_costs.record(compile_costs.graph_key("machine", "layered-tree", 2), 0.9, warm=True)
+    assert compile_costs.expected_seconds(layered) == 6.5
+    assert compile_costs.expected_seconds(layered, seen=True) == 0.9
+    assert compile_costs.expected_seconds(compile_costs.graph_key("machine", "tree", 8)) == 91.0
+    assert compile_costs.expected_seconds(compile_costs.graph_key("machine", "tree", 8), seen=True) == 7.0
+
+
+@needs_compiler
+def test_shorter_runs_verify_through_layered_tree_graphs_longer_ones_through_whole_decoders(ledger_home):
+    """A run repays the whole decoder's tree graphs (~5x the compile, ~5% faster
+    forwards) only from WHOLE_TREES_FROM_TOKENS new tokens; the graphs of each kind are
+    compiled and kept apart, so a process serving both kinds of run never mixes them."""
+    runner = Runner(tiny_model(TINY_CONFIGS["llama-gqa"], dtype="float32", seed=5))
+    for new_tokens, name in ((100, "layered-tree"), (WHOLE_TREES_FROM_TOKENS, "tree"), (WHOLE_TREES_FROM_TOKENS - 1, "layered-tree")):
+        decision = decide(runner, True, prompt_tokens=8, new_tokens=new_tokens)
+        assert decision.compiled and runner.compiled.tree_graph_name == name
+    runner.use_compiled_trees((2,))
+    runner.allocate(16)
+    runner.prefill(torch.tensor([5, 6, 7, 8]))
+    runner.forward(torch.tensor([3, 4]), tree_mask=torch.ones(2, 2, dtype=torch.bool).tril())
+    assert runner.compiled.has_tree_graph(2)
+    runner.compiled.layered_trees = False
+    assert not runner.compiled.has_tree_graph(2)  # the whole decoder's graph of 2 tokens: not compiled yet

@@ -299,13 +299,19 @@ def tree_forwards(runner: Runner):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_compiled_tree_forwards_equal_eager_ones(dtype):
+@pytest.mark.parametrize("layered", [True, False])
+def test_compiled_tree_forwards_equal_eager_ones(dtype, layered, monkeypatch):
     """Trees padded to a compiled size (3 tokens -> 4, 6 -> 8; 2 and 4 as they are): the
-    same logits for every node, the same committed KV; the padding is never seen nor kept."""
+    same logits for every node, the same committed KV; the padding is never seen nor kept.
+    Both kinds of tree graph: of a run of layers (each of the two layers' runs one call
+    of one graph, each joining its own layer's KV) and of the whole decoder."""
     model = tiny_model_for("llama-gqa", dtype)
     eager = Runner(model)
     compiled = Runner(model)
-    compiled.use_compiled(True)
+    graphs = compiled.use_compiled(True)
+    monkeypatch.setattr(graphs, "layered_problem", None if layered else "whole decoder, for this test")
+    monkeypatch.setattr(graphs, "_tree_graphs", {})
+    monkeypatch.setattr(graphs, "_ready", {key for key in graphs._ready if key[1] == 1})
     compiled.use_compiled_trees((2, 4, 8))
     assert [compiled.compiled_size(n) for n in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, None]
     expected, got = tree_forwards(eager), tree_forwards(compiled)
@@ -318,6 +324,30 @@ def test_compiled_tree_forwards_equal_eager_ones(dtype):
     for have, want in zip(got[2], expected[2]):
         torch.testing.assert_close(have, want, rtol=tolerance, atol=tolerance)
     assert all(compiled.compiled.has_tree_graph(size) for size in (2, 4, 8))
+    kinds = {type(graph).__name__ for graph in graphs._tree_graphs.values()}
+    assert kinds == ({"LayeredForward"} if layered else {"function"}), kinds
+
+
+@pytest.mark.parametrize(("layers", "run"), [(30, 6), (2, 1), (32, 8), (24, 6), (7, 7), (1, 1)])
+def test_a_run_of_layers_is_the_smallest_divisor_of_the_stack_at_least_a_fifth_of_it(layers, run):
+    assert compiled_module.layer_run_length(layers) == run
+
+
+def test_only_decoders_of_alike_layers_and_the_plain_glue_compile_by_runs_of_layers():
+    model = tiny_model_for("llama-gqa", "float32")
+    decoder = model.get_decoder()
+    assert compiled_module.layered_problem(model, decoder) is None
+    assert compiled_module.layered_problem(tiny_model_for("qwen2", "float32"), tiny_model_for("qwen2", "float32").get_decoder()) is None
+    config = model.config
+    try:
+        config.model_type = "gemma"  # scales its embeddings in the model's forward
+        assert "gemma" in compiled_module.layered_problem(model, decoder)
+        config.model_type = "llama"
+        config.layer_types = ["full_attention", "sliding_attention"]
+        assert "attend in several ways" in compiled_module.layered_problem(model, decoder)
+    finally:
+        config.model_type = "llama"
+        config.layer_types = None
 
 
 def test_every_compiled_graph_skips_the_module_guards(tmp_path, monkeypatch):
@@ -557,7 +587,9 @@ def test_compiled_draft_levels_propose_what_eager_levels_do(tmp_path, monkeypatc
     forwards, so the drafter starts from the same features and only the levels differ
     (with eager verify forwards on one side the rounding of the features drifted the
     confidences by up to 1.2e-3 over four levels on an AMD EPYC with AVX-512; from
-    the same features they differ by ~1.2e-4 there)."""
+    the same features they differ by ~1.2e-4 there, and by 1.1e-3 at one depth-6 node
+    once the verify trees ran as graphs of runs of layers, each level's rounding
+    carried into the next; a wrong mask or padding row moves confidences by ~1e-1)."""
     from tests.test_eagle import decisive_net
     from tokenswift.drafters.draft_graphs import LEVEL_ROWS
     from tokenswift.drafters.eagle import _DraftParts
@@ -580,7 +612,7 @@ def test_compiled_draft_levels_propose_what_eager_levels_do(tmp_path, monkeypatc
     for got, want in zip(compiled, eager):
         assert [tokens for tokens, _ in got] == [tokens for tokens, _ in want]
         for (_, got_confidence), (_, want_confidence) in zip(got, want):
-            assert got_confidence == pytest.approx(want_confidence, rel=1e-3, abs=1e-5)
+            assert got_confidence == pytest.approx(want_confidence, rel=2e-3, abs=1e-5)
     level = pipe.drafter.parts.level()
     assert level is not None and set(level.compiled_rows()) <= set(LEVEL_ROWS) and 12 in level.compiled_rows()
 

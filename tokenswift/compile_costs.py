@@ -32,6 +32,9 @@ LEDGER_NAME = "compiled-graphs.json"
 # taken to cost (SmolLM2-135M, 2-core CPUs: 5-7 s warm, 75-100 s cold).
 DEFAULT_WARM_SECONDS = 8.0
 DEFAULT_COLD_SECONDS = 90.0
+# ... and of graphs of a run of layers (tokenswift.model.compiled.LayeredForward),
+# which compile about a fifth of the decoder (~1 s warm, ~7 s cold there)
+DEFAULT_SECONDS = {"layered-tree": (1.5, 10.0)}
 
 
 def ledger_path() -> Path:
@@ -54,6 +57,17 @@ def graph_key(machine: str, graph: str, size: int) -> str:
     return f"{machine}/{graph}/{int(size)}"
 
 
+def _graph_of(key: str) -> str:
+    """The graph's name in a :func:`graph_key` (its machine part may hold slashes)."""
+    parts = key.rsplit("/", 2)
+    return parts[1] if len(parts) == 3 else ""
+
+
+def _kind(name: str) -> str:
+    """Graphs of one kind cost alike to compile: of a run of layers, or of the whole decoder."""
+    return "layered" if name.startswith("layered-") else "whole"
+
+
 def record(key: str, seconds: float, warm: bool) -> None:
     """Note that compiling graph ``key`` took ``seconds``, its cache ``warm`` or cold
     (written whole or not at all; a ledger that cannot be written is only said)."""
@@ -74,22 +88,26 @@ def record(key: str, seconds: float, warm: bool) -> None:
 def expected_seconds(key: str, *, seen: bool = False, cold_default: float | None = None) -> float:
     """What compiling graph ``key`` is expected to take now: warm if it was compiled on
     this machine before (the ledger has seen it, or ``seen``: a calibration compiled
-    it), at its own warm time, else the median warm time of the graphs measured warm,
-    else :data:`DEFAULT_WARM_SECONDS`; cold if not, at ``cold_default``, else the median
-    cold time measured, else :data:`DEFAULT_COLD_SECONDS`."""
+    it), at its own warm time, else the median warm time of the graphs of its kind
+    (of a run of layers, or of the whole decoder) measured warm, else
+    :data:`DEFAULT_SECONDS` or :data:`DEFAULT_WARM_SECONDS`; cold if not, at
+    ``cold_default``, else the median cold time of the graphs of its kind, else the
+    defaults' cold time."""
     data = _read()
     entry = data.get(key)
-    entries = [e for e in data.values() if isinstance(e, dict)]
+    name = _graph_of(key)
+    entries = [e for k, e in data.items() if isinstance(e, dict) and _kind(_graph_of(k)) == _kind(name)]
+    default_warm, default_cold = DEFAULT_SECONDS.get(name, (DEFAULT_WARM_SECONDS, DEFAULT_COLD_SECONDS))
     if (isinstance(entry, dict) and entry) or seen:
         entry = entry if isinstance(entry, dict) else {}
         if isinstance(entry.get("warm"), (int, float)):
             return float(entry["warm"])
         warm = [e["warm"] for e in entries if isinstance(e.get("warm"), (int, float))]
-        return float(statistics.median(warm)) if warm else DEFAULT_WARM_SECONDS
+        return float(statistics.median(warm)) if warm else default_warm
     if cold_default is not None:
         return float(cold_default)
     cold = [e["cold"] for e in entries if isinstance(e.get("cold"), (int, float))]
-    return float(statistics.median(cold)) if cold else DEFAULT_COLD_SECONDS
+    return float(statistics.median(cold)) if cold else default_cold
 
 
 def cache_counts() -> tuple[int, int]:

@@ -155,6 +155,9 @@ def plan_attention(layer: int, query, key, value, plan: ForwardPlan, scaling: fl
 # rotary embedding, projections, MLP) depends on nothing but the number of new tokens.
 
 _ACTIVE: list[tuple[ForwardPlan, KVStore]] = []
+# While a compiled run of layers runs (tokenswift.model.compiled.LayeredForward): the
+# index of the layer the next ``tokenswift::attend`` call is for.
+_NEXT_LAYER: list[int] = []
 
 
 @contextlib.contextmanager
@@ -167,6 +170,18 @@ def attending(plan: ForwardPlan, store: KVStore):
         _ACTIVE.pop()
 
 
+@contextlib.contextmanager
+def layers_from(first: int):
+    """The ``tokenswift::attend`` calls inside are for layers ``first``, ``first + 1``,
+    ... in the order they come, whatever layer index their graph was traced with (one
+    graph serves every run of alike layers)."""
+    _NEXT_LAYER.append(first)
+    try:
+        yield
+    finally:
+        _NEXT_LAYER.pop()
+
+
 @torch.library.custom_op("tokenswift::attend", mutates_args=())
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float) -> torch.Tensor:
     """The new tokens' keys/values joined to the active plan's view (written into the
@@ -175,6 +190,9 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: i
     if not _ACTIVE:
         raise RuntimeError("tokenswift::attend runs only inside a runner forward (no active plan)")
     plan, store = _ACTIVE[-1]
+    if _NEXT_LAYER:
+        layer = _NEXT_LAYER[-1]
+        _NEXT_LAYER[-1] += 1
     keys, values = plan.view.join(store, layer, key, value)
     return plan_attention(layer, query, keys, values, plan, scaling)
 

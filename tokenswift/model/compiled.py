@@ -22,7 +22,10 @@ The compiled graph computes the same function in another order of operations, so
 results differ from eager ones by rounding only (float32 logits within 1e-4 in the
 tests). Tree verify forwards can run compiled too, at a few padded sizes (each a graph
 of its own; :meth:`tokenswift.model.runner.Runner.use_compiled_trees`); prompt chunks
-stay eager. Whether a run
+stay eager. For the decoders whose layers are all alike (:func:`layered_problem`),
+a tree size's graph is one of a *run of layers* (:class:`LayeredForward`), traced once
+and called for every run of the stack: tracing and compiling it costs a fifth of the
+whole decoder's, so a run can afford the trees it verifies. Whether a run
 compiles is decided in :mod:`tokenswift.compiling`; compiling the demo model takes ~2
 minutes the first time on the 2-core CPU and ~15 s once inductor's cache (kept under
 ``$TOKENSWIFT_CACHE/inductor``) holds the kernels. ``docs/compiled.md`` has the measurements.
@@ -44,6 +47,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from tokenswift import compile_costs
+from tokenswift.model.attention import layers_from
 from tokenswift.model.linear import KernelLinears, linear_arguments
 from tokenswift.model.plan import EXTERNAL_KV_KWARG
 from tokenswift.paths import cache_dir
@@ -115,6 +119,75 @@ def use_inductor_cache() -> None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
 
 
+# Tree graphs are of runs of this many layers' share of the stack (:func:`layer_run_length`).
+LAYER_RUNS = 5
+# Decoders whose forward is embed_tokens -> rotary_emb -> layers -> norm and nothing
+# else (no embedding scale, no per-layer attention kinds), so that LayeredForward computes
+# what the model's own forward does.
+LAYERED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def layer_run_length(layers: int) -> int:
+    """The layers of one run: the smallest divisor of ``layers`` that is at least
+    ``layers / LAYER_RUNS`` (30 layers: runs of 6), so every run is alike and one graph
+    serves them all."""
+    least = max(1, -(-layers // LAYER_RUNS))
+    return next(size for size in range(least, layers + 1) if layers % size == 0)
+
+
+def layered_problem(model: torch.nn.Module, decoder: torch.nn.Module) -> str | None:
+    """Why ``decoder``'s forwards cannot be compiled a run of layers at a time (None: they can)."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in LAYERED_MODEL_TYPES:
+        return f"model type {model_type!r} is not one of {LAYERED_MODEL_TYPES}"
+    if not all(hasattr(decoder, name) for name in ("embed_tokens", "rotary_emb", "layers", "norm")):
+        return "the decoder lacks embed_tokens, rotary_emb, layers or norm"
+    if len({type(layer) for layer in decoder.layers}) != 1:
+        return "the decoder's layers are not all of one class"
+    kinds = getattr(config, "layer_types", None)
+    if kinds is not None and len(set(kinds)) > 1:
+        return f"the layers attend in several ways ({sorted(set(kinds))})"
+    return None
+
+
+def _skip_module_and_global_guards(entries) -> list[bool]:
+    """The guard filter of a run-of-layers graph: no guards on the model's modules (as
+    every graph here) nor on module globals (~300 checks of the kernels' and
+    transformers' module constants, at each of a step's five calls: ~0.8 ms a step of
+    SmolLM2 on a 2-core AMD EPYC Zen 4). Its inputs' and the grad mode's guards stay."""
+    keep = torch.compiler.skip_guard_on_all_nn_modules_unsafe(entries)
+    return [kept and not entry.is_global for entry, kept in zip(entries, keep)]
+
+
+class LayeredForward:
+    """A forward of n new tokens as the decoder computes it, its layers in runs of
+    :func:`layer_run_length`, each run one call of one compiled graph (the run's modules
+    are its inputs: every run is the same code over other weights); the embedding, the
+    rotary angles and the final norm, a few operations, run eagerly around them.
+
+    A graph bakes in the layer indices of the run it was traced on (torch.compile
+    specialises a module's int attributes), so each run's call says which layers it
+    is (:func:`tokenswift.model.attention.layers_from`) and ``tokenswift::attend``
+    joins the KV of those, in the order the graph attends."""
+
+    def __init__(self, decoder: torch.nn.Module, graph) -> None:
+        self.decoder = decoder
+        size = layer_run_length(len(decoder.layers))
+        self.runs = [(i, tuple(decoder.layers[i : i + size])) for i in range(0, len(decoder.layers), size)]
+        self.graph = graph
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # input_ids, positions: [1, n] long -> [n, hidden_size] final-norm hidden states
+        decoder = self.decoder
+        hidden = decoder.embed_tokens(input_ids)  # [1, n, hidden_size]
+        cos, sin = decoder.rotary_emb(hidden, positions)
+        for first, layers in self.runs:
+            with layers_from(first):
+                hidden = self.graph(layers, hidden, cos, sin, positions)
+        return decoder.norm(hidden)[0]
+
+
 class CompiledForward:
     """The compiled one-token forward and LM-head row of one model (shared by every
     runner of the model: :meth:`for_model`). Compiles on first call."""
@@ -150,6 +223,17 @@ class CompiledForward:
                 )
             return out.last_hidden_state[0]
 
+        def run_of_layers(layers, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor):
+            # a run of alike decoder layers (LayeredForward): hidden [1, n, hidden_size] -> the same
+            with products():
+                for layer in layers:
+                    out = layer(
+                        hidden, attention_mask=mask, position_ids=positions, position_embeddings=(cos, sin),
+                        use_cache=False, **{EXTERNAL_KV_KWARG: True},
+                    )
+                    hidden = out[0] if isinstance(out, tuple) else out
+            return hidden
+
         def logits(hidden: torch.Tensor) -> torch.Tensor:
             # hidden: [1, hidden_size] -> [1, vocab] in logits_dtype
             with products():
@@ -166,8 +250,20 @@ class CompiledForward:
         # a copy each time: torch.compile pops "guard_filter_fn" out of the options it is
         # given, so a second graph compiled from the same dict checked every module's
         # guards (5,000 of them: 1.2 ms a call for the tree graphs, a 2-core AMD EPYC Zen 4)
-        self._compile = lambda fn: torch.compile(own_code(fn), dynamic=False, fullgraph=True, options=dict(options))
+        self._compile = lambda fn, guards=options["guard_filter_fn"]: torch.compile(
+            own_code(fn), dynamic=False, fullgraph=True, options={**options, "guard_filter_fn": guards}
+        )
         self._forward = forward
+        self._run_of_layers = run_of_layers
+        self._decoder = decoder
+        # Tree graphs of a run of layers where the decoder allows (LayeredForward): on a
+        # 2-core AMD EPYC Zen 4, SmolLM2's tree graphs compiled in ~1 s with inductor's
+        # cache warm and ~7 s cold, against ~6 s and ~90 s for the whole decoder, and ran
+        # within 0.0-0.4 ms of it (4- and 8-token trees at 2K positions, in turns).
+        self.layered_problem = layered_problem(model, decoder)
+        # Whether tree forwards run through graphs of a run of layers (where the decoder
+        # allows) or of the whole decoder: the run decides (tokenswift.compiling.decide).
+        self.layered_trees = True
         self._graphs = {
             "forward": self._compile(forward),
             "logits": self._compile(logits),
@@ -178,7 +274,7 @@ class CompiledForward:
         # oneDNN, measured no clear gain on Sapphire Rapids: 4 / 8 / 16 / 32 tokens 43.1
         # / 46.5 / 51.7 / 60.3 ms frozen against 40.1 / 48.5 / 48.0 / 68.9 not, single
         # runs, bfloat16, 2K positions.)
-        self._tree_graphs: dict[int, object] = {}
+        self._tree_graphs: dict[tuple[str, int], object] = {}  # (tree_graph_name, size) -> its forward
         self._ready: set[tuple[str, int]] = set()  # (graph, new tokens) compiled
         self.compile_seconds = 0.0  # what compiling the graphs took (first calls)
         self.graph_seconds: dict[tuple[str, int], float] = {}  # (graph, new tokens) -> its compile's seconds
@@ -206,15 +302,29 @@ class CompiledForward:
         """Both one-token graphs have been compiled."""
         return {("forward", 1), ("logits", 1)} <= self._ready
 
+    @property
+    def tree_graph_name(self) -> str:
+        """Which tree graphs verify forwards run through now, by their name in the
+        compile ledger: ``"layered-tree"`` (a run of layers' graph, where the decoder
+        allows and :attr:`layered_trees` asks) or ``"tree"`` (the whole decoder's)."""
+        return "layered-tree" if self.layered_trees and self.layered_problem is None else "tree"
+
+    def _tree_graph(self, name: str):
+        """A tree size's forward: a run of layers' graph over every run, or the whole decoder's."""
+        if name == "layered-tree":
+            return LayeredForward(self._decoder, self._compile(self._run_of_layers, _skip_module_and_global_guards))
+        return self._compile(self._forward)
+
     def has_tree_graph(self, tokens: int) -> bool:
-        """The forward of ``tokens`` (> 1) new tokens has been compiled in this process."""
-        return ("tree", tokens) in self._ready
+        """The forward of ``tokens`` (> 1) new tokens has been compiled in this process
+        (as the tree graphs now in use: :attr:`tree_graph_name`)."""
+        return (self.tree_graph_name, tokens) in self._ready
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [1, n] long; the caller makes the plan active
         (:func:`tokenswift.model.attention.attending`). Returns [n, hidden_size]. Each
         n is a graph of its own, compiled at its first call."""
-        return self._call("forward" if input_ids.shape[-1] == 1 else "tree", input_ids, positions)
+        return self._call("forward" if input_ids.shape[-1] == 1 else self.tree_graph_name, input_ids, positions)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [1, hidden_size] final-norm state -> [1, vocab] logits."""
@@ -222,10 +332,10 @@ class CompiledForward:
 
     def _call(self, name: str, *args) -> torch.Tensor:
         key = (name, args[0].shape[-1] if name != "logits" else 1)
-        if name == "tree":
-            graph = self._tree_graphs.get(key[1])
+        if name in ("tree", "layered-tree"):
+            graph = self._tree_graphs.get(key)
             if graph is None:
-                graph = self._tree_graphs[key[1]] = self._compile(self._forward)
+                graph = self._tree_graphs[key] = self._tree_graph(name)
         else:
             graph = self._graphs[name]
         if key in self._ready:
@@ -250,7 +360,7 @@ class CompiledForward:
             now_hits, now_misses = compile_costs.cache_counts()
             warm = now_hits > hits and now_misses == misses
             compile_costs.record(compile_costs.graph_key(self.ledger_machine, name, key[1]), seconds, warm)
-        logger.info("compiled the %d-token %s in %.1f s", key[1], "forward" if name == "tree" else name, seconds)
+        logger.info("compiled the %d-token %s in %.1f s", key[1], "forward" if key[1] > 1 else name, seconds)
         return out
 
 
