@@ -205,3 +205,31 @@ def test_shorter_runs_verify_through_layered_tree_graphs_longer_ones_through_who
     assert runner.compiled.has_tree_graph(2)
     runner.compiled.layered_trees = False
     assert not runner.compiled.has_tree_graph(2)  # the whole decoder's graph of 2 tokens: not compiled yet
+
+
+@needs_compiler
+def test_auto_compiles_one_token_steps_by_runs_of_layers_where_the_whole_decoder_would_not_repay(ledger_home, monkeypatch):
+    """Eager steps 30 ms, compiled 20 (by runs of layers 6% longer); compiling the whole
+    decoder's graph ~7 s, a run of layers' ~1.5 s: 100 tokens stay eager, 512 compile by
+    runs of layers, 5,000 the whole decoder; a decoder that cannot run by runs of layers
+    stays eager at 512."""
+    from tokenswift import compiling
+
+    monkeypatch.setattr(compiling, "AUTO_MIN_PARAMETERS", 0)
+    runner = Runner(tiny_model(TINY_CONFIGS["llama-gqa"], dtype="float32", seed=3))
+    calibration = _calibration(step_ms=20.0)
+    monkeypatch.setattr(compiling, "load_compile_calibration", lambda runner: calibration)
+    machine = machine_key(runner)
+    compile_costs.record(compile_costs.graph_key(machine, "forward", 1), 7.0, warm=True)
+    compile_costs.record(compile_costs.graph_key(machine, "layered-forward", 1), 1.5, warm=True)
+    monkeypatch.setattr(compiling.CompiledForward, "ready_for", classmethod(lambda cls, model: False))
+
+    def mode(new_tokens):
+        decision = decide(runner, "auto", prompt_tokens=2048 - new_tokens // 2, new_tokens=new_tokens)
+        if not decision.compiled:
+            return None
+        return {"layered-forward": "layered", "forward": "whole"}[runner.compiled.step_graph_name]
+
+    assert [mode(100), mode(512), mode(5000)] == [None, "layered", "whole"]
+    monkeypatch.setattr(compiling, "layered_problem", lambda model, decoder: "not alike, for this test")
+    assert mode(512) is None

@@ -299,6 +299,23 @@ def tree_forwards(runner: Runner):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_one_token_forwards_by_runs_of_layers_equal_eager_ones(dtype, monkeypatch):
+    """The one-token graph of a run of layers (the runs too short to repay the whole
+    decoder's compile): the logits and the committed KV of eager forwards."""
+    model = tiny_model_for("llama-gqa", dtype)
+    want = one_token_forwards(Runner(model), [3, 1, 4, 1, 5, 9])
+    runner = Runner(model)
+    graphs = runner.use_compiled(True)
+    monkeypatch.setattr(graphs, "layered_steps", True)
+    got = one_token_forwards(runner, [3, 1, 4, 1, 5, 9])
+    tolerance = {"float32": 1e-4, "float64": 1e-5}[dtype]
+    torch.testing.assert_close(got[0], want[0], rtol=tolerance, atol=tolerance)
+    for have, expected in zip(got[2], want[2]):
+        torch.testing.assert_close(have, expected, rtol=tolerance, atol=tolerance)
+    assert ("layered-forward", 1) in graphs._ready and graphs.compiled
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("layered", [True, False])
 def test_compiled_tree_forwards_equal_eager_ones(dtype, layered, monkeypatch):
     """Trees padded to a compiled size (3 tokens -> 4, 6 -> 8; 2 and 4 as they are): the

@@ -26,7 +26,7 @@ import attrs
 
 from tokenswift import compile_costs, distributed
 from tokenswift.machine import machine_name
-from tokenswift.model.compiled import CompiledForward, CompileUnavailable, compiler_problem
+from tokenswift.model.compiled import CompiledForward, CompileUnavailable, compiler_problem, layered_problem
 from tokenswift.records import CachedRecord, machine_key
 from tokenswift.timing import interleaved_ms, measured_contexts, one_token_step, tree_step
 
@@ -68,6 +68,11 @@ TREE_COMPILE_SHARE = 0.1
 # forwards took 0.7-1.0 ms (~5%) longer: 32K tree steps repay the whole graphs' extra
 # warm compiles (~4 s a size, 4-6 sizes), the cold ones only far longer runs.
 WHOLE_TREES_FROM_TOKENS = 32768
+# A one-token step through a run of layers' graph takes this much longer than through the
+# whole decoder's (same host, in turns: 0.5-0.9 ms of ~14 ms), so compile = "auto" takes
+# it for a run too short to repay the whole decoder's compile (~7 s warm against ~1-2 s
+# on a 2-core AMD EPYC Zen 4) and long enough to repay its own.
+LAYERED_STEP_SHARE = 0.06
 
 
 def tree_sizes_for(runner) -> tuple[int, ...]:
@@ -216,6 +221,12 @@ def measure_compile(runner, *, repeats: int = 5, tree_sizes: tuple[int, ...] | N
         compile_seconds = compile_now(one_token_step(runner, contexts[0]))
         if compile_seconds == 0.0:  # compiled earlier in this process: what that compile took
             compile_seconds = compiled.graph_seconds.get(("forward", 1), 0.0) + compiled.graph_seconds.get(("logits", 1), 0.0)
+        if compiled.layered_problem is None:  # and a run of layers' graph, for the runs too short for the whole one
+            compiled.layered_steps = True
+            try:
+                compile_now(one_token_step(runner, contexts[0]))
+            finally:
+                compiled.layered_steps = False
         eager_ms, compiled_ms = zip(*(eager_vs_compiled(one_token_step(runner, context)) for context in contexts))
         runner.use_compiled_trees(tree_sizes)
         tree_steps = [tree_step(runner, contexts[-1], size) for size in tree_sizes]
@@ -306,7 +317,8 @@ def decide(
     if choice is True and prices_trees and calibration is None:
         calibration = compile_calibration_for_trees(runner)
     context = prompt_tokens + new_tokens // 2  # the run's mean context
-    on = choice is True or (choice == "auto" and _auto_pays(runner, context, new_tokens, calibration))
+    mode = "whole" if choice is True else _auto_mode(runner, context, new_tokens, calibration) if choice == "auto" else None
+    on = mode is not None
     try:
         runner.use_compiled(on)
     except CompileUnavailable as exc:
@@ -317,6 +329,7 @@ def decide(
     if runner.compiled is not None:
         runner.compiled.ledger_machine = machine_key(runner)
         runner.compiled.layered_trees = new_tokens < WHOLE_TREES_FROM_TOKENS
+        runner.compiled.layered_steps = mode == "layered"
     sizes = tree_sizes(runner, choice, calibration)
     if choice == "auto" and sizes:
         sizes = affordable_tree_sizes(runner, sizes, calibration, context=context, new_tokens=new_tokens)
@@ -407,33 +420,41 @@ def _worth_compiling(runner) -> bool:
     return sum(p.numel() for p in runner.model.parameters()) >= AUTO_MIN_PARAMETERS
 
 
-def _auto_pays(runner, context: int, new_tokens: int, calibration: CompileCalibration | None) -> bool:
-    """``compile = "auto"``'s decision; ``calibration``: the cached one, if any."""
+def _auto_mode(runner, context: int, new_tokens: int, calibration: CompileCalibration | None) -> str | None:
+    """``compile = "auto"``'s decision: one-token steps through the whole decoder's
+    graph (``"whole"``), a run of layers' graph (``"layered"``: compiles ~5x faster,
+    steps :data:`LAYERED_STEP_SHARE` longer) or eagerly (None); ``calibration``: the
+    cached one, if any. The run's saving over eager steps must exceed what compiling
+    the graph is expected to cost (nothing, once this process has compiled it)."""
     if not _worth_compiling(runner):
-        return False
+        return None
     if calibration is None:
         if new_tokens < AUTO_CALIBRATE_MIN_TOKENS:
             logger.info("compile = auto: eager (compiled forwards not yet measured on this machine; a run of %d+ "
                         "tokens measures them, or `tokenswift calibrate --compile`)", AUTO_CALIBRATE_MIN_TOKENS)
-            return False
+            return None
         try:
             calibration = compile_calibration_for(runner)
         except CompileUnavailable as exc:
             logger.warning("compile = auto: compiled forwards are unavailable here (%s)", exc)
-            return False
-    saving = calibration.saving_seconds(context) * new_tokens
-    compiled = CompiledForward.ready_for(runner.model)
-    cost = one_token_compile_seconds(runner)
-    pays = saving > 0 and (compiled or saving > cost)
+            return None
+    eager_ms, compiled_ms = calibration.milliseconds(context)
+    ready = CompiledForward.ready_for(runner.model)
+    options = {"whole": ((eager_ms - compiled_ms) / 1000 * new_tokens, 0.0 if ready else one_token_compile_seconds(runner))}
+    if layered_problem(runner.model, runner.decoder) is None:
+        saving = (eager_ms - compiled_ms * (1 + LAYERED_STEP_SHARE)) / 1000 * new_tokens
+        options["layered"] = (saving, one_token_compile_seconds(runner, "layered-forward"))
+    paying = {mode: saving - cost for mode, (saving, cost) in options.items() if saving > 0 and saving > cost}
+    mode = max(paying, key=paying.get) if paying else None
     logger.info(
-        "compile = auto: compiled one-token steps %s at %d positions (%.1f s saved over %d tokens%s)",
-        "on" if pays else "off", context, saving, new_tokens,
-        "" if compiled else f", compiling costs ~{cost:.0f} s",
+        "compile = auto: one-token steps %s at %d positions (%s over %d tokens)",
+        {"whole": "compiled", "layered": "compiled by runs of layers", None: "eager"}[mode], context,
+        "; ".join(f"{m}: {saving:.1f} s saved, compiling ~{cost:.1f} s" for m, (saving, cost) in options.items()), new_tokens,
     )
-    return pays
+    return mode
 
 
-def one_token_compile_seconds(runner) -> float:
+def one_token_compile_seconds(runner, graph: str = "forward") -> float:
     """What compiling the one-token graphs is expected to take now: warm, since the
     calibration compiled them (inductor keeps their kernels), at what the compile ledger
     measured (:mod:`tokenswift.compile_costs`). (The calibration's own figure was 0 s
@@ -441,4 +462,4 @@ def one_token_compile_seconds(runner) -> float:
     compiled: a 12-token run spent 15 s of its 23 s compiling on a Sapphire Rapids.) The
     forward alone: the LM-head row's graph compiles in ~0.1 s, and with no entry of its
     own the ledger would price it at the forward's median (~8 s), doubling the cost."""
-    return compile_costs.expected_seconds(compile_costs.graph_key(machine_key(runner), "forward", 1), seen=True)
+    return compile_costs.expected_seconds(compile_costs.graph_key(machine_key(runner), graph, 1), seen=True)

@@ -261,9 +261,11 @@ class CompiledForward:
         # cache warm and ~7 s cold, against ~6 s and ~90 s for the whole decoder, and ran
         # within 0.0-0.4 ms of it (4- and 8-token trees at 2K positions, in turns).
         self.layered_problem = layered_problem(model, decoder)
-        # Whether tree forwards run through graphs of a run of layers (where the decoder
-        # allows) or of the whole decoder: the run decides (tokenswift.compiling.decide).
+        # Whether tree forwards, and one-token forwards, run through graphs of a run of
+        # layers (where the decoder allows) or of the whole decoder: the run decides
+        # (tokenswift.compiling.decide).
         self.layered_trees = True
+        self.layered_steps = False
         self._graphs = {
             "forward": self._compile(forward),
             "logits": self._compile(logits),
@@ -274,7 +276,7 @@ class CompiledForward:
         # oneDNN, measured no clear gain on Sapphire Rapids: 4 / 8 / 16 / 32 tokens 43.1
         # / 46.5 / 51.7 / 60.3 ms frozen against 40.1 / 48.5 / 48.0 / 68.9 not, single
         # runs, bfloat16, 2K positions.)
-        self._tree_graphs: dict[tuple[str, int], object] = {}  # (tree_graph_name, size) -> its forward
+        self._tree_graphs: dict[tuple[str, int], object] = {}  # (graph name, size) -> its forward, made at its first call
         self._ready: set[tuple[str, int]] = set()  # (graph, new tokens) compiled
         self.compile_seconds = 0.0  # what compiling the graphs took (first calls)
         self.graph_seconds: dict[tuple[str, int], float] = {}  # (graph, new tokens) -> its compile's seconds
@@ -299,8 +301,15 @@ class CompiledForward:
 
     @property
     def compiled(self) -> bool:
-        """Both one-token graphs have been compiled."""
-        return {("forward", 1), ("logits", 1)} <= self._ready
+        """Both one-token graphs have been compiled (the forward of either kind)."""
+        return ("logits", 1) in self._ready and bool({("forward", 1), ("layered-forward", 1)} & self._ready)
+
+    @property
+    def step_graph_name(self) -> str:
+        """Which graph one-token forwards run through now, by its name in the compile
+        ledger: ``"layered-forward"`` (a run of layers' graph, where the decoder allows
+        and :attr:`layered_steps` asks) or ``"forward"`` (the whole decoder's)."""
+        return "layered-forward" if self.layered_steps and self.layered_problem is None else "forward"
 
     @property
     def tree_graph_name(self) -> str:
@@ -309,9 +318,9 @@ class CompiledForward:
         allows and :attr:`layered_trees` asks) or ``"tree"`` (the whole decoder's)."""
         return "layered-tree" if self.layered_trees and self.layered_problem is None else "tree"
 
-    def _tree_graph(self, name: str):
-        """A tree size's forward: a run of layers' graph over every run, or the whole decoder's."""
-        if name == "layered-tree":
+    def _sized_graph(self, name: str):
+        """A forward of one size: a run of layers' graph over every run, or the whole decoder's."""
+        if name.startswith("layered-"):
             return LayeredForward(self._decoder, self._compile(self._run_of_layers, _skip_module_and_global_guards))
         return self._compile(self._forward)
 
@@ -324,7 +333,7 @@ class CompiledForward:
         """input_ids, positions: [1, n] long; the caller makes the plan active
         (:func:`tokenswift.model.attention.attending`). Returns [n, hidden_size]. Each
         n is a graph of its own, compiled at its first call."""
-        return self._call("forward" if input_ids.shape[-1] == 1 else self.tree_graph_name, input_ids, positions)
+        return self._call(self.step_graph_name if input_ids.shape[-1] == 1 else self.tree_graph_name, input_ids, positions)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [1, hidden_size] final-norm state -> [1, vocab] logits."""
@@ -332,10 +341,10 @@ class CompiledForward:
 
     def _call(self, name: str, *args) -> torch.Tensor:
         key = (name, args[0].shape[-1] if name != "logits" else 1)
-        if name in ("tree", "layered-tree"):
+        if name in ("tree", "layered-tree", "layered-forward"):
             graph = self._tree_graphs.get(key)
             if graph is None:
-                graph = self._tree_graphs[key] = self._tree_graph(name)
+                graph = self._tree_graphs[key] = self._sized_graph(name)
         else:
             graph = self._graphs[name]
         if key in self._ready:
