@@ -5,7 +5,10 @@ compiles where the **compile calibration** (:class:`CompileCalibration`: one-tok
 steps eager against compiled at two contexts, in turns, and what compiling took;
 measured once per machine and model shape, then cached) says compiled steps are
 faster at the run's mean context and the run saves more than compiling costs (nothing,
-once this process has compiled the model). Until that comparison is cached, only runs
+once this process has compiled the model): through the whole decoder's graph, or, where
+that compile would not be repaid, through a run of layers' graph
+(:class:`~tokenswift.model.compiled.LayeredForward`, ~5x cheaper to compile, its steps
+:data:`LAYERED_STEP_SHARE` dearer). Until that comparison is cached, only runs
 of :data:`AUTO_CALIBRATE_MIN_TOKENS` tokens or more make it (compiling first costs up
 to two minutes on a small CPU). Never for models under :data:`AUTO_MIN_PARAMETERS`
 (test models), under torchrun or tensor parallelism, or without a compiler.
