@@ -117,6 +117,22 @@ def test_compiled_presets_are_lossless(preset, dtype):
     assert result.stats.compiled
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_runs_whose_one_token_steps_run_by_runs_of_layers_are_lossless(dtype, monkeypatch):
+    """compile = "auto" choosing one-token graphs of a run of layers (as it does for runs
+    too short to repay the whole decoder's): the emitted distribution is the target's,
+    every step and tree through graphs of a run of layers."""
+    from tokenswift import compiling
+
+    monkeypatch.setattr(compiling, "_auto_mode", lambda *args: "layered")
+    overrides = {"model": {"compile": "auto"}, "sampling": {"temperature": 0.8, "top_p": 0.9}}
+    pipe = Pipeline.from_spec("tokenswift", tiny_model_for("llama-gqa", dtype), overrides=overrides)
+    result = assert_lossless(pipe, [5, 6, 7, 8] * 6, 40, seed=1)
+    graphs = pipe.runner.compiled
+    assert result.stats.compiled and graphs.step_graph_name == "layered-forward"
+    assert ("layered-forward", 1) in graphs._ready
+
+
 def test_auto_leaves_test_models_eager():
     result = Pipeline.from_spec("ar", tiny_model_for("llama-gqa", "float32")).generate([1, 2, 3], 4, seed=0)
     assert not result.stats.compiled and result.stats.compile_seconds == 0.0
@@ -327,7 +343,7 @@ def test_compiled_tree_forwards_equal_eager_ones(dtype, layered, monkeypatch):
     compiled = Runner(model)
     graphs = compiled.use_compiled(True)
     monkeypatch.setattr(graphs, "layered_problem", None if layered else "whole decoder, for this test")
-    monkeypatch.setattr(graphs, "_tree_graphs", {})
+    monkeypatch.setattr(graphs, "_sized_graphs", {})
     monkeypatch.setattr(graphs, "_ready", {key for key in graphs._ready if key[1] == 1})
     compiled.use_compiled_trees((2, 4, 8))
     assert [compiled.compiled_size(n) for n in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, None]
@@ -341,7 +357,7 @@ def test_compiled_tree_forwards_equal_eager_ones(dtype, layered, monkeypatch):
     for have, want in zip(got[2], expected[2]):
         torch.testing.assert_close(have, want, rtol=tolerance, atol=tolerance)
     assert all(compiled.compiled.has_tree_graph(size) for size in (2, 4, 8))
-    kinds = {type(graph).__name__ for graph in graphs._tree_graphs.values()}
+    kinds = {type(graph).__name__ for graph in graphs._sized_graphs.values()}
     assert kinds == ({"LayeredForward"} if layered else {"function"}), kinds
 
 

@@ -23,9 +23,10 @@ results differ from eager ones by rounding only (float32 logits within 1e-4 in t
 tests). Tree verify forwards can run compiled too, at a few padded sizes (each a graph
 of its own; :meth:`tokenswift.model.runner.Runner.use_compiled_trees`); prompt chunks
 stay eager. For the decoders whose layers are all alike (:func:`layered_problem`),
-a tree size's graph is one of a *run of layers* (:class:`LayeredForward`), traced once
-and called for every run of the stack: tracing and compiling it costs a fifth of the
-whole decoder's, so a run can afford the trees it verifies. Whether a run
+a tree size's graph, and the one-token graph of a run too short to repay the whole
+decoder's, is one of a *run of layers* (:class:`LayeredForward`), traced once and called
+for every run of the stack: tracing and compiling it costs a fifth of the whole
+decoder's, so a run can afford the trees it verifies. Whether a run
 compiles is decided in :mod:`tokenswift.compiling`; compiling the demo model takes ~2
 minutes the first time on the 2-core CPU and ~15 s once inductor's cache (kept under
 ``$TOKENSWIFT_CACHE/inductor``) holds the kernels. ``docs/compiled.md`` has the measurements.
@@ -119,7 +120,7 @@ def use_inductor_cache() -> None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
 
 
-# Tree graphs are of runs of this many layers' share of the stack (:func:`layer_run_length`).
+# Graphs of a run of layers cover this share of the stack: a fifth (:func:`layer_run_length`).
 LAYER_RUNS = 5
 # Decoders whose forward is embed_tokens -> rotary_emb -> layers -> norm and nothing
 # else (no embedding scale, no per-layer attention kinds), so that LayeredForward computes
@@ -256,10 +257,11 @@ class CompiledForward:
         self._forward = forward
         self._run_of_layers = run_of_layers
         self._decoder = decoder
-        # Tree graphs of a run of layers where the decoder allows (LayeredForward): on a
+        # Graphs of a run of layers where the decoder allows (LayeredForward): on a
         # 2-core AMD EPYC Zen 4, SmolLM2's tree graphs compiled in ~1 s with inductor's
-        # cache warm and ~7 s cold, against ~6 s and ~90 s for the whole decoder, and ran
-        # within 0.0-0.4 ms of it (4- and 8-token trees at 2K positions, in turns).
+        # cache warm and ~7-8 s cold, against ~5 s and ~85-94 s for the whole decoder's,
+        # and ran 0.7-1.0 ms (~5%) slower (4- and 8-token trees at 2K positions, in turns:
+        # Dynamo's prologue and wrapper, ~170 us at each of a forward's five calls).
         self.layered_problem = layered_problem(model, decoder)
         # Whether tree forwards, and one-token forwards, run through graphs of a run of
         # layers (where the decoder allows) or of the whole decoder: the run decides
@@ -276,7 +278,7 @@ class CompiledForward:
         # oneDNN, measured no clear gain on Sapphire Rapids: 4 / 8 / 16 / 32 tokens 43.1
         # / 46.5 / 51.7 / 60.3 ms frozen against 40.1 / 48.5 / 48.0 / 68.9 not, single
         # runs, bfloat16, 2K positions.)
-        self._tree_graphs: dict[tuple[str, int], object] = {}  # (graph name, size) -> its forward, made at its first call
+        self._sized_graphs: dict[tuple[str, int], object] = {}  # (graph name, new tokens) -> its forward, made at its first call
         self._ready: set[tuple[str, int]] = set()  # (graph, new tokens) compiled
         self.compile_seconds = 0.0  # what compiling the graphs took (first calls)
         self.graph_seconds: dict[tuple[str, int], float] = {}  # (graph, new tokens) -> its compile's seconds
@@ -341,12 +343,9 @@ class CompiledForward:
 
     def _call(self, name: str, *args) -> torch.Tensor:
         key = (name, args[0].shape[-1] if name != "logits" else 1)
-        if name in ("tree", "layered-tree", "layered-forward"):
-            graph = self._tree_graphs.get(key)
-            if graph is None:
-                graph = self._tree_graphs[key] = self._sized_graph(name)
-        else:
-            graph = self._graphs[name]
+        graph = self._graphs.get(name) or self._sized_graphs.get(key)
+        if graph is None:  # a tree size, or a run of layers' one-token forward
+            graph = self._sized_graphs[key] = self._sized_graph(name)
         if key in self._ready:
             return graph(*args)
         if self.failure is not None:
