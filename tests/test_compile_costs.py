@@ -13,7 +13,7 @@ from tokenswift.compiling import (
     TREE_COMPILE_SHARE, WHOLE_TREES_FROM_TOKENS, CompileCalibration, affordable_tree_sizes, decide, one_token_compile_seconds,
 )
 from tokenswift.model import compiled as compiled_module
-from tokenswift.model.compiled import rope_scaling_as_input
+from tokenswift.model.compiled import ANY_SIZE, rope_scaling_as_input
 from tokenswift.model.loading import tiny_model
 from tokenswift.model.runner import Runner
 from tokenswift.records import machine_key
@@ -110,13 +110,39 @@ def _calibration(step_ms: float, sizes=(2, 4, 8)) -> CompileCalibration:
 
 
 @needs_compiler
+def test_one_tree_graph_of_every_size_is_charged_once(ledger_home, monkeypatch):
+    """A run of layers' tree graph traced with the token count symbolic serves every
+    tree size: the run pays its compile once, for all the sizes or for none."""
+    runner = Runner(tiny_model(TINY_CONFIGS["llama-gqa"], dtype="float32"))
+    compiled = runner.use_compiled(True)
+    monkeypatch.setattr(compiled, "layered_problem", None)
+    assert compiled.one_tree_graph and compiled.tree_graph_name == "layered-tree"
+    assert {compiled.graph_tokens("layered-tree", size) for size in (2, 4, 8, 32)} == {ANY_SIZE}
+    assert compiled.graph_tokens("tree", 4) == 4 and compiled.graph_tokens("layered-tree", 64) == 64
+    key = compile_costs.graph_key(machine_key(runner), "layered-tree", ANY_SIZE)
+    compile_costs.record(key, 3.0, warm=True)
+
+    def affordable(new_tokens):
+        return affordable_tree_sizes(runner, (2, 4, 8), _calibration(step_ms=20.0), context=2048, new_tokens=new_tokens)
+
+    assert affordable(2000) == (2, 4, 8)  # 3 s of the 4 s allowed, once
+    assert affordable(1000) == ()  # 2 s allowed: not even the smallest size
+    compile_costs.record(key, 5.0, warm=True)
+    assert affordable(2000) == ()
+    monkeypatch.setattr(compiled, "has_tree_graph", lambda size: True)  # compiled already: free
+    assert affordable(100) == (2, 4, 8)
+
+
+@needs_compiler
 @pytest.mark.parametrize("layered", [False, True])
 def test_auto_compiles_only_the_tree_graphs_a_run_repays(ledger_home, monkeypatch, caplog, layered):
     """Tree graphs of the whole decoder or of a run of layers (their own name in the
-    ledger): each compiled only where the run's share of compiling holds its expected cost."""
+    ledger), a graph per size: each compiled only where the run's share of compiling
+    holds its expected cost."""
     runner = Runner(tiny_model(TINY_CONFIGS["llama-gqa"], dtype="float32"))
     compiled = runner.use_compiled(True)
     monkeypatch.setattr(compiled, "layered_problem", None if layered else "whole decoder, for this test")
+    monkeypatch.setattr(compiled, "one_tree_graph", False)
     name = compiled.tree_graph_name
     assert name == ("layered-tree" if layered else "tree")
     machine = machine_key(runner)

@@ -13,7 +13,7 @@ import attrs
 import pytest
 import torch
 
-from tokenswift import Pipeline
+from tokenswift import Pipeline, compile_costs
 from tokenswift.compiling import CompileCalibration
 from tokenswift.errors import SpecError
 from tokenswift.model import compiled as compiled_module
@@ -332,22 +332,32 @@ def test_one_token_forwards_by_runs_of_layers_equal_eager_ones(dtype, monkeypatc
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("layered", [True, False])
-def test_compiled_tree_forwards_equal_eager_ones(dtype, layered, monkeypatch):
+@pytest.mark.parametrize("graphs_of", ["every size", "each size", "whole decoder"])
+def test_compiled_tree_forwards_equal_eager_ones(dtype, graphs_of, monkeypatch):
     """Trees padded to a compiled size (3 tokens -> 4, 6 -> 8; 2 and 4 as they are): the
     same logits for every node, the same committed KV; the padding is never seen nor kept.
-    Both kinds of tree graph: of a run of layers (each of the two layers' runs one call
-    of one graph, each joining its own layer's KV) and of the whole decoder."""
+    Every kind of tree graph: of a run of layers (each of the two layers' runs one call
+    of one graph, each joining its own layer's KV), one for every size (the token count
+    traced symbolic: compiled once) or one per size, and of the whole decoder."""
     model = tiny_model_for("llama-gqa", dtype)
     eager = Runner(model)
     compiled = Runner(model)
     graphs = compiled.use_compiled(True)
+    layered = graphs_of != "whole decoder"
     monkeypatch.setattr(graphs, "layered_problem", None if layered else "whole decoder, for this test")
+    monkeypatch.setattr(graphs, "one_tree_graph", graphs_of == "every size")
     monkeypatch.setattr(graphs, "_sized_graphs", {})
     monkeypatch.setattr(graphs, "_ready", {key for key in graphs._ready if key[1] == 1})
+    monkeypatch.setattr(graphs, "graph_seconds", {})
     compiled.use_compiled_trees((2, 4, 8))
     assert [compiled.compiled_size(n) for n in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, None]
-    expected, got = tree_forwards(eager), tree_forwards(compiled)
+    expected = tree_forwards(eager)
+    compiled.allocate(4)
+    compiled.forward(torch.tensor([1]))  # the one-token graphs compiled: what is counted below is the trees'
+    compiled.store.reset()
+    before = sum(compile_costs.cache_counts())
+    got = tree_forwards(compiled)
+    inductor_compiles = sum(compile_costs.cache_counts()) - before  # a recompile at a new size counts too
     # float64 too: the model's float32 detours (RMSNorm, rotary angles) round
     # differently in fused multi-row code (measured: 2e-5); a seen padding token is ~1e-1.
     tolerance = 1e-4
@@ -359,6 +369,41 @@ def test_compiled_tree_forwards_equal_eager_ones(dtype, layered, monkeypatch):
     assert all(compiled.compiled.has_tree_graph(size) for size in (2, 4, 8))
     kinds = {type(graph).__name__ for graph in graphs._sized_graphs.values()}
     assert kinds == ({"LayeredForward"} if layered else {"function"}), kinds
+    compiles = {key for key in graphs.graph_seconds if key[1] != 1}
+    if graphs_of == "every size":
+        assert compiles == {("layered-tree", compiled_module.ANY_SIZE)}  # one compile served 2, 4 and 8
+        assert inductor_compiles == 1
+    else:
+        assert {size for _, size in compiles} == {2, 4, 8}
+        assert inductor_compiles == 3
+
+
+def test_a_tree_graph_of_every_size_that_fails_to_trace_compiles_one_per_size(monkeypatch, caplog):
+    """Where tracing the token count symbolic fails, the tree sizes compile a graph each
+    (said once) and the forwards stay what eager ones compute."""
+    model = tiny_model_for("llama-gqa", "float32")
+    eager, compiled = Runner(model), Runner(model)
+    graphs = compiled.use_compiled(True)
+    monkeypatch.setattr(graphs, "layered_problem", None)
+    monkeypatch.setattr(graphs, "one_tree_graph", True)
+    monkeypatch.setattr(graphs, "_sized_graphs", {})
+    monkeypatch.setattr(graphs, "_ready", {key for key in graphs._ready if key[1] == 1})
+    real = compiled_module.first_compiled_call
+
+    def symbolic_fails(graph, args, what=""):
+        if isinstance(graph, compiled_module.LayeredForward) and graph.tokens is not None:
+            raise compiled_module.CompileUnavailable("torch.compile failed: ConstraintViolationError: planted")
+        return real(graph, args, what)
+
+    monkeypatch.setattr(compiled_module, "first_compiled_call", symbolic_fails)
+    compiled.use_compiled_trees((2, 4, 8))
+    with caplog.at_level(logging.WARNING, logger="tokenswift.model.compiled"):
+        expected, got = tree_forwards(eager), tree_forwards(compiled)
+    for want, have in zip(expected[0], got[0]):
+        torch.testing.assert_close(have, want, rtol=1e-4, atol=1e-4)
+    assert compiled.compiled is graphs and graphs.failure is None and not graphs.one_tree_graph
+    assert caplog.text.count("compile a graph per size") == 1
+    assert all(graphs.has_tree_graph(size) for size in (2, 4, 8))
 
 
 @pytest.mark.parametrize(("layers", "run"), [(30, 6), (2, 1), (32, 8), (24, 6), (7, 7), (1, 1)])
@@ -384,8 +429,8 @@ def test_only_decoders_of_alike_layers_and_the_plain_glue_compile_by_runs_of_lay
 
 
 def test_every_compiled_graph_skips_the_module_guards(tmp_path, monkeypatch):
-    """Each graph (the one-token forward, the LM-head row, every tree size, every draft
-    level) is compiled with the guard filter that skips the model's module guards.
+    """Each graph (the one-token forward, the LM-head row, the tree graph, the draft
+    level's) is compiled with the guard filter that skips the model's module guards.
     torch.compile pops it out of the options it is given: a second graph compiled from
     the same dict went without it and checked ~5,000 guards at every call (1.2 ms of a
     2-token tree forward of SmolLM2 on a 2-core AMD EPYC Zen 4)."""
@@ -412,7 +457,7 @@ def test_every_compiled_graph_skips_the_module_guards(tmp_path, monkeypatch):
                  "speculation": {"tree": "fixed"}, "sampling": {"greedy": True}}
     pipe = Pipeline.from_spec("eagle", model, overrides=overrides)
     pipe.drafter.compile_now()
-    assert len(compile_calls) >= 3 + 3 + 2  # forward, logits, trees of 2, 4, 8; draft levels
+    assert len(compile_calls) >= 4  # forward, logits, one tree graph of every size, one draft level's of every row count
     assert all(filtered for _, filtered in compile_calls), compile_calls
 
 
@@ -607,16 +652,16 @@ def test_draft_levels_compile_only_where_the_tree_forwards_do(tmp_path):
         assert pipe.runner.compiled is not None and any(r.verified for r in records)
         level = pipe.drafter.parts._level
         assert pipe.drafter.levels_compiled == trees
-        assert (level is not None and len(level.compiled_rows()) > 0) == trees
+        assert (level is not None and level.compiled_for(pipe.drafter.kv.size)) == trees
         results[trees] = [t for r in records for t in r.emitted]
     assert results[True] == results[False]
 
 
 def test_compiled_draft_levels_propose_what_eager_levels_do(tmp_path, monkeypatch):
-    """The ``eagle`` drafter's levels compiled (fixed shapes, rows padded to
-    LEVEL_ROWS, the cache in fixed buffers) propose, step by step, the candidates the
+    """The ``eagle`` drafter's levels compiled (one graph for every row count of
+    LEVEL_ROWS, one row padded to two, the cache in fixed buffers) propose, step by step, the candidates the
     eager levels do, with their confidences to float32 rounding; the runs emit the same
-    tokens; the graphs ran at their padded sizes. Both runs compile the target's
+    tokens; one graph served every level. Both runs compile the target's
     forwards, so the drafter starts from the same features and only the levels differ
     (with eager verify forwards on one side the rounding of the features drifted the
     confidences by up to 1.2e-3 over four levels on an AMD EPYC with AVX-512; from
@@ -624,7 +669,6 @@ def test_compiled_draft_levels_propose_what_eager_levels_do(tmp_path, monkeypatc
     once the verify trees ran as graphs of runs of layers, each level's rounding
     carried into the next; a wrong mask or padding row moves confidences by ~1e-1)."""
     from tests.test_eagle import decisive_net
-    from tokenswift.drafters.draft_graphs import LEVEL_ROWS
     from tokenswift.drafters.eagle import _DraftParts
 
     model = tiny_model_for("llama-gqa", "float32")
@@ -647,7 +691,7 @@ def test_compiled_draft_levels_propose_what_eager_levels_do(tmp_path, monkeypatc
         for (_, got_confidence), (_, want_confidence) in zip(got, want):
             assert got_confidence == pytest.approx(want_confidence, rel=2e-3, abs=1e-5)
     level = pipe.drafter.parts.level()
-    assert level is not None and set(level.compiled_rows()) <= set(LEVEL_ROWS) and 12 in level.compiled_rows()
+    assert level is not None and level.one_graph and level.rows_to_compile(pipe.drafter.kv.size) == ()
 
 
 def test_drafters_of_other_cache_sizes_on_one_model_compile_their_own_levels(tmp_path):
@@ -675,7 +719,7 @@ def test_drafters_of_other_cache_sizes_on_one_model_compile_their_own_levels(tmp
     assert pipes[0].drafter.kv.size != pipes[1].drafter.kv.size
     level = pipes[1].drafter.parts.level()
     assert level is pipes[0].drafter.parts.level()
-    assert level.compiled_rows(pipes[0].drafter.kv.size) == level.compiled_rows(pipes[1].drafter.kv.size)
+    assert level.rows_to_compile(pipes[0].drafter.kv.size) == level.rows_to_compile(pipes[1].drafter.kv.size) == ()
     for pipe in reversed(pipes):
         graphs = counters["stats"]["unique_graphs"]
         pipe.generate([5, 9, 17, 3, 8, 1] * 2, 24, seed=0, ignore_eos=True)

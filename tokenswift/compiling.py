@@ -363,19 +363,23 @@ def affordable_tree_sizes(
 
     def expected(size: int) -> float:  # a size the calibration compiled is in inductor's cache
         seen = whole and calibration is not None and size in calibration.tree_sizes
-        return compile_costs.expected_seconds(compile_costs.graph_key(machine, name, size), seen=seen, cold_default=cold)
+        graph = compile_costs.graph_key(machine, name, compiled.graph_tokens(name, size))
+        return compile_costs.expected_seconds(graph, seen=seen, cold_default=cold)
 
     costs = {size: 0.0 if compiled.has_tree_graph(size) else expected(size) for size in sorted(sizes)}
-    kept, spent = [], 0.0
+    kept, spent, paid = [], 0.0, set()  # paid: the graphs kept (one may serve every size: compiled.TREE_TOKENS)
     for size, cost in costs.items():
-        if spent + cost <= budget:
+        graph = compiled.graph_tokens(name, size)
+        if graph in paid or spent + cost <= budget:
             kept.append(size)
-            spent += cost
+            spent += 0.0 if graph in paid else cost
+            paid.add(graph)
     left = [size for size in costs if size not in kept]
     if left:
         logger.info(
             "compile = auto: tree forwards of %s tokens stay eager in this run (compiling them, ~%.0f s, "
-            "would not be repaid by %d tokens: %.1f s allowed)", left, sum(costs[s] for s in left), new_tokens, budget,
+            "would not be repaid by %d tokens: %.1f s allowed)", left,
+            sum({compiled.graph_tokens(name, s): costs[s] for s in left}.values()), new_tokens, budget,
         )
     return tuple(kept)
 

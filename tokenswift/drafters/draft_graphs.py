@@ -29,23 +29,23 @@ from tokenswift.model.compiled import CompileUnavailable, first_compiled_call, o
 
 logger = logging.getLogger(__name__)
 
-# The padded row counts a level runs at: one pair (a commit after a step that accepted
-# nothing), a few (a commit after accepted drafts), a level's expanded nodes (at most
-# ``drafter.width``, 12 by default; ``drafter.children``, 10, at the first level), and
-# 16. Wider calls run eagerly. In a run (2K prompt, greedy, a 2-core Sapphire Rapids) a
-# level took 0.87 ms compiled at 1 row, 1.16 at 4 and 1.36 at 16. With levels as wide as
-# the tree choice verifies, 353 of 553 calls in a greedy run had 5-8 rows (2-core AMD
-# EPYC Zen 4): padded to 12 they took 1.73 ms after a 300 MB read and 1.2 just after
-# another call, at 8 rows 1.53 and 0.86.
-LEVEL_ROWS = (1, 4, 8, 12, 16)
+# The row counts one graph of a level serves, traced with the row count symbolic: a
+# one-row call (a commit after a step that accepted nothing) runs padded to two, wider
+# ones eagerly. Levels are as wide as the tree choice verifies (353 of 553 calls in a
+# greedy run had 5-8 rows, a 2-core AMD EPYC Zen 4). Graphs of fixed row counts (1, 4, 8,
+# 12, 16, as before) compiled in 0.2-0.5 s each, ~1.4 s of the README's main job, and
+# ran padded (a 5-row level at 8 rows: 1.05 ms against 0.68 at 4).
+LEVEL_ROWS = (2, 16)
+# Where tracing the row count symbolic fails: a graph per padded row count.
+PADDED_ROWS = (1, 4, 8, 12, 16)
 
 
 class CompiledLevel:
     """``level(tokens, features, positions, keys, values, mask) -> (new keys, new values,
-    outputs, logits)`` of the draft layer and head, compiled per row count at its
-    first call. Raises :class:`~tokenswift.model.compiled.CompileUnavailable` where
-    torch.compile cannot run (at construction) or failed (at the first call of a size,
-    and every call after)."""
+    outputs, logits)`` of the draft layer and head, compiled at its first call for every
+    row count of :data:`LEVEL_ROWS` (per padded row count where that fails). Raises
+    :class:`~tokenswift.model.compiled.CompileUnavailable` where torch.compile cannot
+    run (at construction) or failed (at the first call of a size, and every call after)."""
 
     def __init__(self, net: torch.nn.Module, embed: torch.nn.Module, head_logits: Callable[[torch.Tensor], torch.Tensor],
                  device: torch.device) -> None:
@@ -63,11 +63,13 @@ class CompiledLevel:
             return new_keys, new_values, out, head_logits(out)
 
         self._level = level
-        # (rows, columns of the layer's cache) -> graph. The drafters of one model share
-        # this object, and a drafter's cache size follows its options (window, depth,
-        # width): keyed by rows alone, a second drafter's calls recompiled the first's
-        # graphs mid-run (~0.7 s a proposal over a 256-token run, an AMD EPYC Zen 4).
+        # (rows, columns of the layer's cache) -> graph; rows 0: every row count of
+        # LEVEL_ROWS. The drafters of one model share this object, and a drafter's cache
+        # size follows its options (window, depth, width): keyed by rows alone, a second
+        # drafter's calls recompiled the first's graphs mid-run (~0.7 s a proposal over a
+        # 256-token run, an AMD EPYC Zen 4).
         self._graphs: dict[tuple[int, int], Callable] = {}
+        self.one_graph = True  # one graph for every row count (False: tracing that failed; said once)
         self._options = {
             # the layer, the embedding and the head are fixed for this object's life
             "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
@@ -76,18 +78,25 @@ class CompiledLevel:
         self.failure: CompileUnavailable | None = None
         self.compile_seconds = 0.0
 
-    @staticmethod
-    def rows_for(rows: int) -> int | None:
-        """The padded row count ``rows`` real rows run at (None: eagerly)."""
-        return next((size for size in LEVEL_ROWS if size >= rows), None)
+    def rows_for(self, rows: int) -> int | None:
+        """The row count ``rows`` real rows run at (None: eagerly)."""
+        if self.one_graph:
+            return max(rows, LEVEL_ROWS[0]) if rows <= LEVEL_ROWS[1] else None
+        return next((size for size in PADDED_ROWS if size >= rows), None)
 
-    def compiled_rows(self, columns: int | None = None) -> tuple[int, ...]:
-        """The row counts compiled so far (for a cache of ``columns`` columns; None: any)."""
-        return tuple(sorted({rows for rows, size in self._graphs if columns is None or size == columns}))
+    def rows_to_compile(self, columns: int) -> tuple[int, ...]:
+        """Row counts whose calls would compile the graphs not yet compiled for a cache of ``columns`` columns."""
+        if self.one_graph:
+            return () if (0, columns) in self._graphs else (LEVEL_ROWS[0],)
+        return tuple(rows for rows in PADDED_ROWS if (rows, columns) not in self._graphs)
+
+    def compiled_for(self, columns: int) -> bool:
+        """Some graph has been compiled for a cache of ``columns`` columns."""
+        return any(size == columns for _, size in self._graphs)
 
     def __call__(self, tokens, features, positions, keys, values, mask):
-        rows = tokens.shape[0]
-        key = (rows, keys.shape[2])
+        rows, columns = tokens.shape[0], keys.shape[2]
+        key = (0 if self.one_graph else rows, columns)
         graph = self._graphs.get(key)
         if graph is not None:
             return graph(tokens, features, positions, keys, values, mask)
@@ -96,12 +105,21 @@ class CompiledLevel:
         # a copy: torch.compile pops "guard_filter_fn" out of its options, and the graphs
         # of the other row counts then checked every module's guards at each call
         graph = torch.compile(own_code(self._level), dynamic=False, fullgraph=True, options=dict(self._options))
+        if self.one_graph:  # this call traces: its row count stands for every one of LEVEL_ROWS
+            least, most = LEVEL_ROWS
+            for tensor in (tokens, features, positions, mask):
+                torch._dynamo.mark_dynamic(tensor, 0, min=least, max=most)
+            torch._dynamo.mark_dynamic(mask, 1, min=columns + least, max=columns + most)
         try:
             out, seconds = first_compiled_call(graph, (tokens, features, positions, keys, values, mask), " of the draft level")
         except CompileUnavailable as exc:
+            if self.one_graph:
+                logger.warning("the draft level compiles a graph per row count: %s", exc)
+                self.one_graph = False  # this call eager (the caller's fallback); later ones padded to PADDED_ROWS
+                raise
             self.failure = exc
             raise
         self.compile_seconds += seconds
         self._graphs[key] = graph
-        logger.info("compiled the draft level of %d rows in %.1f s", rows, seconds)
+        logger.info("compiled the draft level of %s rows in %.1f s", "%d-%d" % LEVEL_ROWS if self.one_graph else rows, seconds)
         return out

@@ -33,7 +33,7 @@ import attrs
 import torch
 
 from tokenswift import kernels
-from tokenswift.drafters.draft_graphs import LEVEL_ROWS, CompiledLevel
+from tokenswift.drafters.draft_graphs import CompiledLevel
 from tokenswift.drafters.draft_heads import WEIGHTS_NAME
 from tokenswift.drafters.feature_net import FeatureNet, find_shipped_drafter
 from tokenswift.drafters.head_based import coupled_rating
@@ -448,7 +448,7 @@ class EagleDrafter(Drafter):
         where the target's tree forwards are (:attr:`levels_compiled`), else eager."""
         n, size, device = len(tokens), self.kv.size, self.runner.device
         level = self.parts.level() if self.levels_compiled else None
-        rows = CompiledLevel.rows_for(n) if level is not None else None
+        rows = level.rows_for(n) if level is not None else None
         padded = rows or n
         ids = torch.tensor(tokens + tokens[-1:] * (padded - n), device=device)
         mask = torch.zeros(padded, size + padded, dtype=torch.bool, device=device)
@@ -590,9 +590,7 @@ class EagleDrafter(Drafter):
         if level is None:
             return 0.0
         before, size, device = level.compile_seconds, self.kv.size, self.runner.device
-        for rows in LEVEL_ROWS:
-            if rows in level.compiled_rows(size):
-                continue
+        for rows in level.rows_to_compile(size):
             mask = torch.zeros(rows, size + rows, dtype=torch.bool, device=device)
             mask[:, size:] = torch.eye(rows, dtype=torch.bool, device=device)
             features = torch.zeros(rows, self.net.config.hidden_size, device=device)

@@ -161,6 +161,17 @@ def _skip_module_and_global_guards(entries) -> list[bool]:
     return [kept and not entry.is_global for entry, kept in zip(entries, keep)]
 
 
+# The token counts one graph of a run of layers verifies trees of (traced with the count
+# symbolic: LayeredForward.tokens): every padded tree size (tokenswift.compiling.TREE_SIZES)
+# and no more rows than the few-rows kernel takes. On a 2-core AMD EPYC Zen 4 (SmolLM2,
+# 2K positions, in turns) it compiled in 1.8 s warm against 1.0 s for a graph of one size,
+# and its 4- and 8-token forwards took what those of one size did (15.7-16.2 / 18.5-19.6
+# ms against 15.5-15.9 / 18.7-19.3): a run that verifies two sizes or more compiles less.
+TREE_TOKENS = (2, 32)
+# The size under which the compile ledger and the ready graphs note a graph of every size
+ANY_SIZE = 0
+
+
 class LayeredForward:
     """A forward of n new tokens as the decoder computes it, its layers in runs of
     :func:`layer_run_length`, each run one call of one compiled graph (the run's modules
@@ -172,20 +183,29 @@ class LayeredForward:
     is (:func:`tokenswift.model.attention.layers_from`) and ``tokenswift::attend``
     joins the KV of those, in the order the graph attends."""
 
-    def __init__(self, decoder: torch.nn.Module, graph) -> None:
+    def __init__(self, decoder: torch.nn.Module, graph, tokens: tuple[int, int] | None = None) -> None:
         self.decoder = decoder
         size = layer_run_length(len(decoder.layers))
         self.runs = [(i, tuple(decoder.layers[i : i + size])) for i in range(0, len(decoder.layers), size)]
         self.graph = graph
+        # (least, most) new tokens one graph serves (traced with the token count
+        # symbolic), or None: the graph is of the count it was first called with
+        self.tokens = tokens
+        self._traced = tokens is None
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # input_ids, positions: [1, n] long -> [n, hidden_size] final-norm hidden states
         decoder = self.decoder
         hidden = decoder.embed_tokens(input_ids)  # [1, n, hidden_size]
         cos, sin = decoder.rotary_emb(hidden, positions)
+        if not self._traced:  # the first call traces: its token count stands for every one in range
+            least, most = self.tokens
+            for tensor in (hidden, cos, sin, positions):
+                torch._dynamo.mark_dynamic(tensor, 1, min=least, max=most)
         for first, layers in self.runs:
             with layers_from(first):
                 hidden = self.graph(layers, hidden, cos, sin, positions)
+        self._traced = True
         return decoder.norm(hidden)[0]
 
 
@@ -268,6 +288,9 @@ class CompiledForward:
         # (tokenswift.compiling.decide).
         self.layered_trees = True
         self.layered_steps = False
+        # Whether the layered tree graph is one for every size (TREE_TOKENS) or one per
+        # size (where tracing with the token count symbolic failed: said once)
+        self.one_tree_graph = True
         self._graphs = {
             "forward": self._compile(forward),
             "logits": self._compile(logits),
@@ -320,16 +343,27 @@ class CompiledForward:
         allows and :attr:`layered_trees` asks) or ``"tree"`` (the whole decoder's)."""
         return "layered-tree" if self.layered_trees and self.layered_problem is None else "tree"
 
-    def _sized_graph(self, name: str):
-        """A forward of one size: a run of layers' graph over every run, or the whole decoder's."""
+    def _sized_graph(self, name: str, tokens: int):
+        """A forward of ``tokens`` new tokens (:data:`ANY_SIZE`: of every tree size): a
+        run of layers' graph over every run, or the whole decoder's."""
         if name.startswith("layered-"):
-            return LayeredForward(self._decoder, self._compile(self._run_of_layers, _skip_module_and_global_guards))
+            graph = self._compile(self._run_of_layers, _skip_module_and_global_guards)
+            return LayeredForward(self._decoder, graph, TREE_TOKENS if tokens == ANY_SIZE else None)
         return self._compile(self._forward)
+
+    def graph_tokens(self, name: str, tokens: int) -> int:
+        """The size under which graph ``name``'s forward of ``tokens`` new tokens is
+        compiled and noted in the ledger: :data:`ANY_SIZE` where one graph serves every
+        tree size (:data:`TREE_TOKENS`), else ``tokens``."""
+        if name == "layered-tree" and self.one_tree_graph and TREE_TOKENS[0] <= tokens <= TREE_TOKENS[1]:
+            return ANY_SIZE
+        return tokens
 
     def has_tree_graph(self, tokens: int) -> bool:
         """The forward of ``tokens`` (> 1) new tokens has been compiled in this process
         (as the tree graphs now in use: :attr:`tree_graph_name`)."""
-        return (self.tree_graph_name, tokens) in self._ready
+        name = self.tree_graph_name
+        return (name, self.graph_tokens(name, tokens)) in self._ready
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [1, n] long; the caller makes the plan active
@@ -342,10 +376,10 @@ class CompiledForward:
         return self._call("logits", hidden)
 
     def _call(self, name: str, *args) -> torch.Tensor:
-        key = (name, args[0].shape[-1] if name != "logits" else 1)
+        key = (name, self.graph_tokens(name, args[0].shape[-1]) if name != "logits" else 1)
         graph = self._graphs.get(name) or self._sized_graphs.get(key)
         if graph is None:  # a tree size, or a run of layers' one-token forward
-            graph = self._sized_graphs[key] = self._sized_graph(name)
+            graph = self._sized_graphs[key] = self._sized_graph(name, key[1])
         if key in self._ready:
             return graph(*args)
         if self.failure is not None:
@@ -353,12 +387,19 @@ class CompiledForward:
         if not self._ready:  # said once: the wait is the first step's
             logger.warning("compiling the one-token forward (once per process: seconds with inductor's cache warm, "
                            "up to ~2 minutes cold on a small CPU)")
+        elif key[1] == ANY_SIZE:
+            logger.warning("compiling the tree forward of %d-%d tokens (once per process)", *TREE_TOKENS)
         elif key[1] > 1:
             logger.warning("compiling the %d-token tree forward (once per process and size)", key[1])
         hits, misses = compile_costs.cache_counts()
         try:
             out, seconds = first_compiled_call(graph, args)
         except CompileUnavailable as exc:
+            if key[1] == ANY_SIZE:  # a graph per size instead
+                logger.warning("tree forwards compile a graph per size: %s", exc)
+                self.one_tree_graph = False
+                del self._sized_graphs[key]
+                return self._call(name, *args)
             self.failure = exc
             raise
         self.compile_seconds += seconds
@@ -368,7 +409,9 @@ class CompiledForward:
             now_hits, now_misses = compile_costs.cache_counts()
             warm = now_hits > hits and now_misses == misses
             compile_costs.record(compile_costs.graph_key(self.ledger_machine, name, key[1]), seconds, warm)
-        logger.info("compiled the %d-token %s in %.1f s", key[1], "forward" if key[1] > 1 else name, seconds)
+        what = f"{TREE_TOKENS[0]}-{TREE_TOKENS[1]}-token tree forward" if key[1] == ANY_SIZE else (
+            f"{key[1]}-token {'forward' if key[1] > 1 else name}")
+        logger.info("compiled the %s in %.1f s", what, seconds)
         return out
 
 
