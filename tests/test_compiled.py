@@ -334,8 +334,9 @@ def test_one_token_forwards_by_runs_of_layers_equal_eager_ones(dtype, monkeypatc
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("graphs_of", ["every size", "each size", "whole decoder"])
 def test_compiled_tree_forwards_equal_eager_ones(dtype, graphs_of, monkeypatch):
-    """Trees padded to a compiled size (3 tokens -> 4, 6 -> 8; 2 and 4 as they are): the
-    same logits for every node, the same committed KV; the padding is never seen nor kept.
+    """Trees padded to a compiled size (3 tokens -> 4, 6 -> 8; 2 and 4 as they are), or
+    at their own size through one graph of every size: the same logits for every node,
+    the same committed KV; the padding is never seen nor kept.
     Every kind of tree graph: of a run of layers (each of the two layers' runs one call
     of one graph, each joining its own layer's KV), one for every size (the token count
     traced symbolic: compiled once) or one per size, and of the whole decoder."""
@@ -350,7 +351,9 @@ def test_compiled_tree_forwards_equal_eager_ones(dtype, graphs_of, monkeypatch):
     monkeypatch.setattr(graphs, "_ready", {key for key in graphs._ready if key[1] == 1})
     monkeypatch.setattr(graphs, "graph_seconds", {})
     compiled.use_compiled_trees((2, 4, 8))
-    assert [compiled.compiled_size(n) for n in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, None]
+    sizes = [compiled.compiled_size(n) for n in (1, 2, 3, 4, 5, 8, 9)]
+    # one graph of every size runs each tree at its own size: nothing padded
+    assert sizes == ([1, 2, 3, 4, 5, 8, None] if graphs_of == "every size" else [1, 2, 4, 4, 8, 8, None])
     expected = tree_forwards(eager)
     compiled.allocate(4)
     compiled.forward(torch.tensor([1]))  # the one-token graphs compiled: what is counted below is the trees'
@@ -495,6 +498,27 @@ def test_the_cost_model_prices_a_compiled_tree_at_its_padded_size():
     assert costs.forward_seconds(4, 2048) == pytest.approx(0.014)  # at the calibration's context: as measured
     assert costs.forward_seconds(5, 1000) == eager.forward_seconds(5, 1000)  # eager beyond the compiled sizes
     assert costs.forward_seconds(1, 2048) == pytest.approx(eager.forward_seconds(1, 2048) * 0.5)
+
+
+def test_a_tree_at_its_own_size_is_priced_between_the_measured_sizes():
+    """One graph of every tree size runs a tree at its own size: a size the compile
+    calibration did not time is priced on the line between the sizes around it (at
+    both of its contexts), never below or beyond them."""
+    from tokenswift.compiling import CompileCalibration
+
+    measured = CompileCalibration(
+        key="k", machine="m", contexts=(256, 2048), eager_ms=(20.0, 24.0), compiled_ms=(10.0, 12.0), compile_seconds=1.0,
+        tree_sizes=(2, 4, 8), tree_eager_ms=(30.0, 32.0, 36.0), tree_compiled_ms=(14.0, 16.0, 24.0),
+        tree_far_context=8192, tree_far_compiled_ms=(20.0, 26.0, 40.0),
+    )
+    assert measured.tree_compiled_seconds(3) == pytest.approx(0.015)
+    assert measured.tree_compiled_seconds(6) == pytest.approx(0.020)
+    assert measured.tree_compiled_seconds(4) == pytest.approx(0.016)  # measured: as measured
+    assert measured.tree_compiled_seconds(1) is None and measured.tree_compiled_seconds(9) is None
+    # size 6 at 8,192 positions: (26 + 40) / 2 = 33 ms; at 2,048: 20 ms
+    assert measured.tree_compiled_seconds_at(6, 8192) == pytest.approx(0.033)
+    assert measured.tree_compiled_seconds_at(6, 5120) == pytest.approx(0.0265)
+    assert measured.tree_compiled_seconds_at(12, 5120) is None
 
 
 def test_a_tree_timed_at_two_contexts_is_priced_along_its_own_growth():

@@ -22,6 +22,8 @@ compiled costs.
 
 from __future__ import annotations
 
+import bisect
+
 import logging
 from typing import ClassVar
 
@@ -135,22 +137,35 @@ class CompileCalibration(CachedRecord):
         i = self.tree_sizes.index(size)
         return (self.tree_eager_ms[i] - self.tree_compiled_ms[i]) / 1000
 
+    def _between_sizes(self, size: int, ms: tuple[float, ...]) -> float | None:
+        """``ms`` (per measured tree size) at ``size``: as measured, or linear between the
+        measured sizes around it (a graph of every size runs trees at their own size:
+        compiled.TREE_TOKENS); None outside them."""
+        sizes = self.tree_sizes
+        if size in sizes:
+            return ms[sizes.index(size)]
+        above = bisect.bisect_left(sizes, size)
+        if above == 0 or above == len(sizes) or list(sizes) != sorted(sizes):
+            return None
+        low, high = sizes[above - 1], sizes[above]
+        return ms[above - 1] + (ms[above] - ms[above - 1]) * (size - low) / (high - low)
+
     def tree_compiled_seconds(self, size: int) -> float | None:
         """Seconds of a compiled verify forward of ``size`` tokens at ``contexts[-1]``
-        positions, as measured (None: not measured)."""
-        if size not in self.tree_sizes:
-            return None
-        return self.tree_compiled_ms[self.tree_sizes.index(size)] / 1000
+        positions, as measured or between the measured sizes (None: neither)."""
+        ms = self._between_sizes(size, self.tree_compiled_ms)
+        return None if ms is None else ms / 1000
 
     def tree_compiled_seconds_at(self, size: int, context: int) -> float | None:
         """Seconds of a compiled verify forward of ``size`` tokens at ``context``
-        positions, linear through its two measurements (None: not measured at two
-        contexts)."""
-        if size not in self.tree_sizes or not self.tree_far_compiled_ms:
+        positions, linear through its two measurements (between the measured sizes
+        for one not measured; None: not measured at two contexts)."""
+        if not self.tree_far_compiled_ms:
             return None
-        i = self.tree_sizes.index(size)
-        ms = _extrapolate((self.contexts[-1], self.tree_far_context), (self.tree_compiled_ms[i], self.tree_far_compiled_ms[i]), context)
-        return ms / 1000
+        near, far = self._between_sizes(size, self.tree_compiled_ms), self._between_sizes(size, self.tree_far_compiled_ms)
+        if near is None or far is None:
+            return None
+        return _extrapolate((self.contexts[-1], self.tree_far_context), (near, far), context) / 1000
 
     @property
     def paying_tree_sizes(self) -> tuple[int, ...]:

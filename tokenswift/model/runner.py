@@ -25,7 +25,7 @@ import torch
 from tokenswift import kernels
 from tokenswift.distributed import tensor_parallel_size
 from tokenswift.model.attention import attending, register_attention
-from tokenswift.model.compiled import CompiledForward, CompileUnavailable
+from tokenswift.model.compiled import ANY_SIZE, CompiledForward, CompileUnavailable
 from tokenswift.model.configs import text_config
 from tokenswift.model.hf_cache import StoreCache
 from tokenswift.model.kv import KVStore, KVView, Staging
@@ -216,13 +216,18 @@ class Runner:
         self.compiled_tree_sizes = sizes
 
     def compiled_size(self, tokens: int) -> int | None:
-        """The padded size a verify forward of ``tokens`` new tokens runs compiled at
-        (1 for one token), or None: eager."""
+        """The size a verify forward of ``tokens`` new tokens runs compiled at (1 for one
+        token): its own where one graph serves every tree size
+        (:data:`~tokenswift.model.compiled.TREE_TOKENS`), else the smallest compiled size
+        that holds it, padded; or None: eager."""
         if self.compiled is None:
             return None
         if tokens == 1:
             return 1
-        return next((size for size in self.compiled_tree_sizes if size >= tokens), None)
+        padded = next((size for size in self.compiled_tree_sizes if size >= tokens), None)
+        if padded is not None and self.compiled.graph_tokens(self.compiled.tree_graph_name, tokens) == ANY_SIZE:
+            return tokens  # no padding: the graph is of every size
+        return padded
 
     def use_prefill_dtype(self, dtype: torch.dtype) -> None:
         """Compute prompt prefills (:meth:`prefill`) in ``dtype`` with a copy of the
