@@ -259,3 +259,29 @@ def test_auto_compiles_one_token_steps_by_runs_of_layers_where_the_whole_decoder
     assert [mode(100), mode(512), mode(5000)] == [None, "layered", "whole"]
     monkeypatch.setattr(compiling, "layered_problem", lambda model, decoder: "not alike, for this test")
     assert mode(512) is None
+
+
+def test_a_tree_trial_compiles_only_what_its_speculative_steps_repay():
+    """Speculative steps counted as compiled against plain ones: compile where the rate
+    they show saves more than the compile over the tokens left; undecided until
+    TRIAL_STEPS speculative steps (or TRIAL_MAX_STEPS of either kind)."""
+    from tokenswift.compiling import TRIAL_MAX_STEPS, TRIAL_STEPS, TreeTrial
+
+    def judged(emitted, seconds, compile_seconds=2.0, tokens=2000):
+        trial = TreeTrial(compile_seconds=compile_seconds, tokens=tokens)
+        for _ in range(4):
+            assert trial.observe(1, 0.015, speculative=False) is None
+        verdicts = [trial.observe(emitted, seconds, speculative=True) for _ in range(TRIAL_STEPS)]
+        assert verdicts[:-1] == [None] * (TRIAL_STEPS - 1)
+        return trial, verdicts[-1]
+
+    trial, verdict = judged(2, 0.020)  # 1.5x: ~9.5 s saved over ~1,972 tokens
+    assert verdict is True and trial.speedup() == pytest.approx(1.5)
+    assert trial.saving_seconds() == pytest.approx((2000 - 4 - 2 * TRIAL_STEPS) * 0.015 / 3)
+    assert judged(1, 0.020)[1] is False  # slower than plain steps
+    trial, verdict = judged(1.05, 0.015)  # 1.05x: ~1.4 s saved, less than the 2 s compile
+    assert verdict is False and 1.0 < trial.saving_seconds() < 2.0
+    assert judged(2, 0.020, tokens=120)[1] is False  # too few tokens left to repay it
+    never = TreeTrial(compile_seconds=0.5, tokens=2000)
+    verdicts = [never.observe(1, 0.015, speculative=False) for _ in range(TRIAL_MAX_STEPS)]
+    assert verdicts[-1] is False and set(verdicts[:-1]) == {None}  # no speculative step: nothing to compile

@@ -13,16 +13,17 @@ import attrs
 import pytest
 import torch
 
-from tokenswift import Pipeline, compile_costs
+from tokenswift import Pipeline, compile_costs, compiling
 from tokenswift.compiling import CompileCalibration
 from tokenswift.errors import SpecError
 from tokenswift.model import compiled as compiled_module
 from tokenswift.model.compiled import CompiledForward
 from tokenswift.model.kv import CompactView, FullView, IndexView
+from tokenswift.model.loading import tiny_model
 from tokenswift.model.runner import Runner
 from tokenswift.records import machine_key
 from tokenswift.spec import ModelSpec
-from tokenswift.testing import assert_lossless, tiny_model_for
+from tokenswift.testing import TINY_CONFIGS, assert_lossless, tiny_model_for
 
 pytestmark = pytest.mark.skipif(
     compiled_module.compiler_problem(torch.device("cpu")) is not None, reason="no C++ compiler for inductor"
@@ -131,6 +132,59 @@ def test_runs_whose_one_token_steps_run_by_runs_of_layers_are_lossless(dtype, mo
     graphs = pipe.runner.compiled
     assert result.stats.compiled and graphs.step_graph_name == "layered-forward"
     assert ("layered-forward", 1) in graphs._ready
+
+
+def test_tree_forwards_on_trial_run_eagerly_and_compile_nothing():
+    """While a run's trees are on trial (compiling.TreeTrial) a tree whose graph is not
+    compiled runs eagerly, as eager forwards compute it, and compiles nothing."""
+    model = tiny_model(TINY_CONFIGS["llama-gqa"], seed=12, dtype="float32")  # no graphs of other tests
+    eager, compiled = Runner(model), Runner(model)
+    graphs = compiled.use_compiled(True)
+    compiled.use_compiled_trees((2, 4, 8))
+    compiled.tree_trial = compiling.TreeTrial(compile_seconds=1.0, tokens=100)
+    expected, got = tree_forwards(eager), tree_forwards(compiled)
+    for want, have in zip(expected[0], got[0]):
+        torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
+    assert {key for key in graphs._ready if key[1] != 1} == set()
+    assert not any(graphs.has_tree_graph(size) for size in (2, 4, 8))
+
+
+@pytest.mark.parametrize("pays", [False, True])
+def test_a_runs_tree_trial_decides_what_it_compiles_and_stays_lossless(pays, monkeypatch):
+    """compile = "auto" with tree graphs the run may compile but has not got: its first
+    steps verify trees eagerly, compiling nothing; once the trial has judged, the trees
+    compile at their next forward (pays) or the run verifies none from then on. The
+    emitted distribution is the target's throughout."""
+    monkeypatch.setattr(compiling, "_auto_mode", lambda *args: "layered")
+    monkeypatch.setattr(compiling, "tree_sizes", lambda *args: (2, 4, 8))
+    monkeypatch.setattr(compiling, "affordable_tree_sizes", lambda runner, sizes, *args, **kwargs: sizes)
+    # the compile's expected seconds decide the verdict whatever this machine's steps take
+    monkeypatch.setattr(compiling, "tree_compile_seconds", lambda *args: -1.0 if pays else float("inf"))
+    monkeypatch.setattr(compiling, "TRIAL_STEPS", 2)
+    monkeypatch.setattr(compiling, "TRIAL_MAX_STEPS", 6)
+    model = tiny_model(TINY_CONFIGS["llama-gqa"], seed=13, dtype="float32")  # no graphs of other tests
+    pipe = Pipeline.from_spec("tokenswift", model, overrides={"model": {"compile": "auto"},
+                                                              "sampling": {"temperature": 0.8, "top_p": 0.9}})
+    judged = []  # (verdict, whether a tree graph was compiled by then) at each step of the trial
+    observe = compiling.TreeTrial.observe
+
+    def spy(self, *args, **kwargs):
+        verdict = observe(self, *args, **kwargs)
+        judged.append((verdict, any(pipe.runner.compiled.has_tree_graph(size) for size in (2, 4, 8))))
+        return verdict
+
+    monkeypatch.setattr(compiling.TreeTrial, "observe", spy)
+    result = assert_lossless(pipe, [5, 6, 7, 8] * 6, 40, seed=1)
+    runner = pipe.runner
+    assert result.stats.compiled and runner.tree_trial is None
+    verdicts = [verdict for verdict, _ in judged]
+    assert 1 <= len(verdicts) <= 6 and verdicts[-1] is pays and set(verdicts[:-1]) <= {None}
+    assert not any(compiled for _, compiled in judged)  # nothing compiled on trial
+    if pays:
+        assert runner.compiled_tree_sizes == (2, 4, 8)
+    else:
+        assert runner.compiled_tree_sizes == ()
+        assert not any(runner.compiled.has_tree_graph(size) for size in (2, 4, 8))
 
 
 def test_auto_leaves_test_models_eager():
@@ -438,8 +492,6 @@ def test_every_compiled_graph_skips_the_module_guards(tmp_path, monkeypatch):
     the same dict went without it and checked ~5,000 guards at every call (1.2 ms of a
     2-token tree forward of SmolLM2 on a 2-core AMD EPYC Zen 4)."""
     from tests.test_eagle import decisive_net
-    from tokenswift.model.loading import tiny_model
-    from tokenswift.testing import TINY_CONFIGS
 
     compile_calls = []
 

@@ -23,6 +23,7 @@ compiled costs.
 from __future__ import annotations
 
 import bisect
+import statistics
 
 import logging
 from typing import ClassVar
@@ -349,10 +350,98 @@ def decide(
         runner.compiled.layered_trees = new_tokens < WHOLE_TREES_FROM_TOKENS
         runner.compiled.layered_steps = mode == "layered"
     sizes = tree_sizes(runner, choice, calibration)
+    runner.tree_trial = None
     if choice == "auto" and sizes:
         sizes = affordable_tree_sizes(runner, sizes, calibration, context=context, new_tokens=new_tokens)
+        missing = [size for size in sizes if not runner.compiled.has_tree_graph(size)]
+        if missing and prices_trees:  # compiled where the run's first speculative steps say it pays
+            expected = tree_compile_seconds(runner, tuple(missing), calibration)
+            runner.tree_trial = TreeTrial(compile_seconds=expected, tokens=new_tokens)
     runner.use_compiled_trees(sizes)
     return CompileDecision(compiled=runner.compiled is not None, calibration=calibration)
+
+
+# A run that may compile tree graphs it has not got first verifies its trees eagerly,
+# priced and judged as compiled ones, for this many speculative steps (TreeTrial): the
+# README's 2,000-token job on a 2-core AMD EPYC Zen 4 compiled its tree graph and draft
+# level (~2.5 s, ~5% of the run) and then verified trees at 1.01-1.08 tokens a step with
+# the paper's sampling, 0.92x `--preset ar`. An eager tree costs ~10 ms more than a
+# compiled one there: the trial costs ~0.1-0.2 s.
+TRIAL_STEPS = 12
+# ... and decides by this many steps of either kind, however few speculated
+TRIAL_MAX_STEPS = 96
+
+
+@attrs.define
+class TreeTrial:
+    """Whether compiling a run's tree graphs (``compile_seconds``, expected) pays over
+    its ``tokens`` new tokens, judged by its first speculative steps verified eagerly:
+    each counted at what it would have taken with compiled trees (the cost model's price
+    of its tree forward in place of the eager one), against the run's plain steps.
+    Compiling pays where the speculative steps' rate over the plain steps', applied to
+    the tokens left, saves more than the compile costs."""
+
+    compile_seconds: float
+    tokens: int
+    generated: int = 0
+    speculative: list[tuple[int, float]] = attrs.Factory(list)  # (tokens emitted, seconds as compiled)
+    plain: list[float] = attrs.Factory(list)  # seconds of each plain step
+    steps: int = 0
+
+    def observe(self, emitted: int, seconds: float, *, speculative: bool) -> bool | None:
+        """Count a step; returns None while undecided, else whether to compile."""
+        self.steps += 1
+        self.generated += emitted
+        if speculative:
+            self.speculative.append((emitted, seconds))
+        else:
+            self.plain.append(seconds)
+        if len(self.speculative) < TRIAL_STEPS and self.steps < TRIAL_MAX_STEPS:
+            return None
+        return self.saving_seconds() > self.compile_seconds
+
+    def speedup(self) -> float | None:
+        """Tokens a second of the speculative steps (as compiled) over the plain steps' (None: either unseen)."""
+        if not self.speculative or not self.plain:
+            return None
+        plain = statistics.median(self.plain)
+        return sum(e for e, _ in self.speculative) * plain / sum(s for _, s in self.speculative)
+
+    def saving_seconds(self) -> float:
+        """What speculating with compiled trees would save over the tokens left."""
+        speedup = self.speedup()
+        if speedup is None or speedup <= 1.0:
+            return 0.0
+        left = max(self.tokens - self.generated, 0)
+        return left * statistics.median(self.plain) * (1 - 1 / speedup)
+
+
+def _tree_compile_costs(runner, sizes: tuple[int, ...], calibration: CompileCalibration | None) -> dict[int, float]:
+    """Per size of ``sizes`` (ascending), what compiling its tree graph is expected to
+    take now (0: compiled in this process; a graph serving several sizes is priced at
+    each: see :func:`tree_compile_seconds`)."""
+    compiled = runner.compiled
+    machine = machine_key(runner)
+    name = compiled.tree_graph_name
+    # A calibration's tree compiles say what whole-decoder graphs cost (cold) and that
+    # their kernels are cached; graphs of a run of layers (compiled.LayeredForward)
+    # are ~10x cheaper and the ledger alone knows which of them were compiled here.
+    whole = name == "tree"
+    cold = calibration.tree_compile_seconds / len(calibration.tree_sizes) if whole and calibration and calibration.tree_sizes else None
+
+    def expected(size: int) -> float:  # a size the calibration compiled is in inductor's cache
+        seen = whole and calibration is not None and size in calibration.tree_sizes
+        graph = compile_costs.graph_key(machine, name, compiled.graph_tokens(name, size))
+        return compile_costs.expected_seconds(graph, seen=seen, cold_default=cold)
+
+    return {size: 0.0 if compiled.has_tree_graph(size) else expected(size) for size in sorted(sizes)}
+
+
+def tree_compile_seconds(runner, sizes: tuple[int, ...], calibration: CompileCalibration | None) -> float:
+    """What compiling the tree graphs of ``sizes`` is expected to take now, each graph once."""
+    name = runner.compiled.tree_graph_name
+    costs = _tree_compile_costs(runner, sizes, calibration)
+    return sum({runner.compiled.graph_tokens(name, size): cost for size, cost in costs.items()}.values())
 
 
 def affordable_tree_sizes(
@@ -368,20 +457,8 @@ def affordable_tree_sizes(
         return ()
     step_seconds = calibration.milliseconds(context)[1] / 1000 if calibration is not None else 0.02
     budget = TREE_COMPILE_SHARE * new_tokens * step_seconds
-    machine = machine_key(runner)
     name = compiled.tree_graph_name
-    # A calibration's tree compiles say what whole-decoder graphs cost (cold) and that
-    # their kernels are cached; graphs of a run of layers (compiled.LayeredForward)
-    # are ~10x cheaper and the ledger alone knows which of them were compiled here.
-    whole = name == "tree"
-    cold = calibration.tree_compile_seconds / len(calibration.tree_sizes) if whole and calibration and calibration.tree_sizes else None
-
-    def expected(size: int) -> float:  # a size the calibration compiled is in inductor's cache
-        seen = whole and calibration is not None and size in calibration.tree_sizes
-        graph = compile_costs.graph_key(machine, name, compiled.graph_tokens(name, size))
-        return compile_costs.expected_seconds(graph, seen=seen, cold_default=cold)
-
-    costs = {size: 0.0 if compiled.has_tree_graph(size) else expected(size) for size in sorted(sizes)}
+    costs = _tree_compile_costs(runner, sizes, calibration)
     kept, spent, paid = [], 0.0, set()  # paid: the graphs kept (one may serve every size: compiled.TREE_TOKENS)
     for size, cost in costs.items():
         graph = compiled.graph_tokens(name, size)

@@ -271,12 +271,18 @@ class Generation:
             nll = scores.nll([0, *verdict.accepted][: len(emitted)], emitted)
             self.health.push(emitted, nll)
             clock.lap("commit")
+            forward_seconds, step_seconds = self._as_compiled(tree, context, clock.seconds["forward"], sum(clock.seconds.values()))
+            compiled_now = compiling_seconds() - compiling_before
+            catch_up = setup.drafter.catch_up_seconds if DRAFTER in proposing else 0.0
+            if not compiled_now:  # a step that compiled a graph says nothing of what steps cost
+                # judged as the plain guard judges steps: without the cost of switching to speculating
+                self._judge_trial(len(emitted), step_seconds - catch_up - root_pass.view_seconds, speculative=len(tree) > 1)
             speculator.learn(StepFacts(
-                tree=tree, verdict=verdict, context=context, forward_seconds=clock.seconds["forward"],
-                step_seconds=sum(clock.seconds.values()), proposing_seconds=proposing,
+                tree=tree, verdict=verdict, context=context, forward_seconds=forward_seconds,
+                step_seconds=step_seconds, proposing_seconds=proposing,
                 drafting_pass=root_pass.ran, view_seconds=root_pass.view_seconds, emitted=len(emitted),
-                compile_seconds=compiling_seconds() - compiling_before,
-                catch_up_seconds=setup.drafter.catch_up_seconds if DRAFTER in proposing else 0.0,
+                compile_seconds=compiled_now,
+                catch_up_seconds=catch_up,
             ))
             choice = selection.choice
             yield StepRecord(
@@ -298,6 +304,40 @@ class Generation:
                 nll=nll,
                 health=self.health.health(),
             )
+
+    def _as_compiled(self, tree: DraftTree, context: int, forward: float, step: float) -> tuple[float, float]:
+        """A step's forward and whole seconds as the speculation policy is to learn them:
+        while the run's trees are on trial (:class:`~tokenswift.compiling.TreeTrial`) a
+        tree verified eagerly counts at the cost model's price of its compiled forward
+        (the policy chose it at that price; learnt eager, its rates and the cost model's
+        size factors would say what no compiled step costs)."""
+        costs = getattr(self.setup.speculator, "costs", None)
+        if self.setup.runner.tree_trial is None or len(tree) == 1 or costs is None:
+            return forward, step
+        compiled = costs.forward_seconds(len(tree), context)
+        return compiled, step - forward + compiled
+
+    def _judge_trial(self, emitted: int, seconds: float, *, speculative: bool) -> None:
+        """Count a step toward the run's tree trial; once it has judged, compile the
+        trees (at their next forward) or verify none eagerly from now on."""
+        runner = self.setup.runner
+        trial = runner.tree_trial
+        if trial is None:
+            return
+        verdict = trial.observe(emitted, seconds, speculative=speculative)
+        if verdict is None:
+            return
+        runner.tree_trial = None
+        speedup, saving = trial.speedup(), trial.saving_seconds()
+        logger.info(
+            "tree trial: %d speculative steps at %s the plain steps' rate as compiled: compiling the trees "
+            "(~%.1f s) %s (saving ~%.1f s over the %d tokens left)", len(trial.speculative),
+            "?" if speedup is None else f"{speedup:.2f}x", trial.compile_seconds,
+            "pays: compiled at the next tree" if verdict else "does not pay: plain steps", saving,
+            max(trial.tokens - trial.generated, 0),
+        )
+        if not verdict:
+            runner.use_compiled_trees(())
 
     def propose(self) -> tuple[DraftTree, dict[int, float], _RootPassRequest]:
         """The candidates of the next step: drafter branches, then retriever branches,

@@ -475,8 +475,10 @@ class EagleDrafter(Drafter):
         short to repay their graphs, rarely speculates, and compiling the levels' graphs
         at its first proposals cost it more than they saved: the README's main job, 2,000
         tokens on a 2-core AMD EPYC Zen 4, spent 1.5 s in three proposals, 23 steps
-        speculated, 0.91-0.98x ``ar``)."""
-        return self.runner.compiled is not None and bool(self.runner.compiled_tree_sizes)
+        speculated, 0.91-0.98x ``ar``), nor while the run's trees are on trial
+        (:class:`~tokenswift.compiling.TreeTrial`): compiled once it has judged them."""
+        runner = self.runner
+        return runner.compiled is not None and bool(runner.compiled_tree_sizes) and runner.tree_trial is None
 
     # -- drafting ----------------------------------------------------------------------
 

@@ -141,6 +141,10 @@ class Runner:
         self.packed_lm_head = False
         self.compiled: CompiledForward | None = None  # see use_compiled
         self.compiled_tree_sizes: tuple[int, ...] = ()  # see use_compiled_trees
+        # while set (tokenswift.compiling.TreeTrial), tree forwards whose graph is not
+        # compiled yet run eagerly, priced as compiled: the run's first speculative steps
+        # decide whether compiling them pays
+        self.tree_trial = None
         self.prefill_dtype = self.dtype  # see use_prefill_dtype
         self.kernel_linears = False  # see use_kernel_linears
         self.use_kernel_linears(self.tp_size == 1 and kernels.linears_by_default(self.dtype, self.device))
@@ -366,6 +370,8 @@ class Runner:
         recorder = AttentionRecorder() if record_attention else None
         plan = ForwardPlan(view=view, tree_mask=tree_mask, recorder=recorder)
         size = None if layers or (n > 1 and not compiled_tree) else self.compiled_size(n)
+        if size is not None and n > 1 and self.tree_trial is not None and not self.compiled.has_tree_graph(size):
+            size = None  # on trial: eager, nothing compiled
         if size is not None and n > 1 and (
             recorder is not None or not isinstance(view, Staging) or store.length + size > store.capacity
         ):
