@@ -733,6 +733,21 @@ def test_draft_levels_compile_only_where_the_tree_forwards_do(tmp_path):
     assert results[True] == results[False]
 
 
+def test_a_runs_compile_seconds_count_the_draft_levels_compile_too(tmp_path):
+    """The summary's compile seconds are every graph's first call in the run: the
+    target's one-token and tree graphs and the ``eagle`` draft level's."""
+    from tests.test_eagle import decisive_net
+
+    model = tiny_model(TINY_CONFIGS["llama-gqa"], seed=14, dtype="float32")  # no graphs of other tests
+    overrides = {"model": {"compile": True}, "drafter": {"weights": decisive_net(model, tmp_path), "threshold": 0.0},
+                 "sampling": {"greedy": True}, "retriever": {"name": "none"}, "speculation": {"tree": "fixed"}}
+    pipe = Pipeline.from_spec("eagle", model, overrides=overrides)
+    result = pipe.generate([5, 6, 7, 8, 9, 3, 2] * 3, 24, seed=0, ignore_eos=True)
+    level = pipe.drafter.parts.level()
+    assert level is not None and level.compile_seconds > 0 and pipe.runner.compiled.compile_seconds > 0
+    assert result.stats.compile_seconds == pytest.approx(pipe.runner.compiled.compile_seconds + level.compile_seconds, abs=0.02)
+
+
 def test_compiled_draft_levels_propose_what_eager_levels_do(tmp_path, monkeypatch):
     """The ``eagle`` drafter's levels compiled (one graph for every row count of
     LEVEL_ROWS, one row padded to two, the cache in fixed buffers) propose, step by step, the candidates the
