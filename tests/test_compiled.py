@@ -187,6 +187,27 @@ def test_a_runs_tree_trial_decides_what_it_compiles_and_stays_lossless(pays, mon
         assert not any(runner.compiled.has_tree_graph(size) for size in (2, 4, 8))
 
 
+def test_only_runs_shorter_than_the_whole_tree_graphs_put_their_trees_on_trial(monkeypatch):
+    """A long run's trees gain as its context grows, which its first steps cannot show:
+    runs of TRIAL_MAX_TOKENS new tokens or more compile their trees without a trial, as
+    do runs whose trees are compiled already and runs whose cost model does not price trees."""
+    monkeypatch.setattr(compiling, "_auto_mode", lambda *args: "layered")
+    monkeypatch.setattr(compiling, "tree_sizes", lambda *args: (2, 4, 8))
+    monkeypatch.setattr(compiling, "affordable_tree_sizes", lambda runner, sizes, *args, **kwargs: sizes)
+    runner = Runner(tiny_model(TINY_CONFIGS["llama-gqa"], seed=15, dtype="float32"))  # no graphs of other tests
+
+    def trial(new_tokens, prices_trees=True):
+        compiling.decide(runner, "auto", prompt_tokens=24, new_tokens=new_tokens, prices_trees=prices_trees)
+        assert runner.compiled_tree_sizes == (2, 4, 8)
+        return runner.tree_trial
+
+    assert trial(2000) is not None and trial(2000).tokens == 2000
+    assert trial(compiling.TRIAL_MAX_TOKENS) is None
+    assert trial(2000, prices_trees=False) is None
+    monkeypatch.setattr(type(runner.compiled), "has_tree_graph", lambda self, size: True)
+    assert trial(2000) is None
+
+
 def test_auto_leaves_test_models_eager():
     result = Pipeline.from_spec("ar", tiny_model_for("llama-gqa", "float32")).generate([1, 2, 3], 4, seed=0)
     assert not result.stats.compiled and result.stats.compile_seconds == 0.0

@@ -354,7 +354,10 @@ def decide(
     if choice == "auto" and sizes:
         sizes = affordable_tree_sizes(runner, sizes, calibration, context=context, new_tokens=new_tokens)
         missing = [size for size in sizes if not runner.compiled.has_tree_graph(size)]
-        if missing and prices_trees:  # compiled where the run's first speculative steps say it pays
+        # compiled where the run's first speculative steps say it pays; not in long runs,
+        # whose trees gain as the context grows (their first steps' rate says little of it)
+        # and whose compile is a small share of them
+        if missing and prices_trees and new_tokens < TRIAL_MAX_TOKENS:
             expected = tree_compile_seconds(runner, tuple(missing), calibration)
             runner.tree_trial = TreeTrial(compile_seconds=expected, tokens=new_tokens)
     runner.use_compiled_trees(sizes)
@@ -370,6 +373,8 @@ def decide(
 TRIAL_STEPS = 12
 # ... and decides by this many steps of either kind, however few speculated
 TRIAL_MAX_STEPS = 96
+# Runs of this many new tokens or more compile their trees without a trial
+TRIAL_MAX_TOKENS = WHOLE_TREES_FROM_TOKENS
 
 
 @attrs.define
