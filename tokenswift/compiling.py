@@ -444,9 +444,14 @@ def _tree_compile_costs(runner, sizes: tuple[int, ...], calibration: CompileCali
 
 def tree_compile_seconds(runner, sizes: tuple[int, ...], calibration: CompileCalibration | None) -> float:
     """What compiling the tree graphs of ``sizes`` is expected to take now, each graph once."""
-    name = runner.compiled.tree_graph_name
     costs = _tree_compile_costs(runner, sizes, calibration)
-    return sum({runner.compiled.graph_tokens(name, size): cost for size, cost in costs.items()}.values())
+    return _graphs_once(runner.compiled, costs, costs)
+
+
+def _graphs_once(compiled, costs: dict[int, float], sizes) -> float:
+    """The compile ``costs`` of ``sizes``, a graph serving several of them counted once."""
+    name = compiled.tree_graph_name
+    return sum({compiled.graph_tokens(name, size): costs[size] for size in sizes}.values())
 
 
 def affordable_tree_sizes(
@@ -475,8 +480,7 @@ def affordable_tree_sizes(
     if left:
         logger.info(
             "compile = auto: tree forwards of %s tokens stay eager in this run (compiling them, ~%.0f s, "
-            "would not be repaid by %d tokens: %.1f s allowed)", left,
-            sum({compiled.graph_tokens(name, s): costs[s] for s in left}.values()), new_tokens, budget,
+            "would not be repaid by %d tokens: %.1f s allowed)", left, _graphs_once(compiled, costs, left), new_tokens, budget,
         )
     return tuple(kept)
 
