@@ -17,11 +17,13 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from typing import ClassVar
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import attrs
 import torch
 
+from tokenswift.calibrate_apart import child_spec, measure_apart
 from tokenswift.machine import machine_name
 from tokenswift.records import CALIBRATION_FORMAT, CachedRecord, machine_key
 from tokenswift.sampling import make_sampler
@@ -226,11 +228,19 @@ def head_product_ms(runner, rows: int, repeats: int) -> float:
     return least_ms(lambda: runner.logits(hidden), repeats)
 
 
-def calibration_for(runner, scorer, *, refresh: bool = False) -> Calibration:
-    """The cached calibration, or a new one (measured once, then cached). A cached one
-    from before the few-rows product was measured gets it measured (milliseconds) and
-    saved, rather than the whole calibration again."""
+def calibration_for(runner, scorer, *, refresh: bool = False, sections: Mapping[str, Any] | None = None) -> Calibration:
+    """The cached calibration, or a new one (measured once, then cached): in a process
+    of its own where one can load the model (:mod:`tokenswift.calibrate_apart`;
+    ``sections``: the run's penalty and sampling, for the child's scorer), else here. A
+    cached one from before the few-rows product was measured gets it measured
+    (milliseconds) and saved, rather than the whole calibration again."""
     calibration = None if refresh else load_calibration(runner)
+    if calibration is None and not refresh:
+        spec = child_spec(runner, sections)
+        if spec is not None and measure_apart(spec, "forwards"):
+            calibration = load_calibration(runner)
+            if calibration is None:
+                logger.warning("the calibration process cached nothing under this run's key; measuring in this one")
     if calibration is None:
         logger.warning("measuring this machine's forward costs once for %s (cached for next time)", runner.dtype)
         calibration = calibrate(runner, scorer)

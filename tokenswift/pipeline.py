@@ -160,6 +160,10 @@ class Pipeline:
                 raise SpecError("no model: pass model= or give a [model] section with 'path' or 'tiny'")
             model, loaded_tokenizer = load_model(spec_obj.model)
             tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
+            pipe = cls(spec_obj, model, tokenizer, registry=registry, plugin_manager=pm)
+            if spec_obj.model.path is not None:  # a fresh process loads the same model from it
+                pipe.runner.source = {**spec_obj.model.to_dict(), "dtype": str(pipe.runner.dtype).removeprefix("torch.")}
+            return pipe
         return cls(spec_obj, model, tokenizer, registry=registry, plugin_manager=pm)
 
     @staticmethod
@@ -308,7 +312,8 @@ class Pipeline:
         if distributed.launched():
             return None
         if self._costs is None:
-            calibration = calibration_for(self.runner, self.scorer)
+            sections = {kind: section for kind, section in self.spec.to_dict().items() if kind in ("penalty", "sampling")}
+            calibration = calibration_for(self.runner, self.scorer, sections=sections)
             calibration.apply_linears(self.runner)
             runner = self.runner
             self._costs = CostModel(calibration, compiled_size=runner.compiled_size)

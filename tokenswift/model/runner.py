@@ -140,6 +140,10 @@ class Runner:
         self.packed_from_rows: int | None = None
         self.packed_lm_head = False
         self.compiled: CompiledForward | None = None  # see use_compiled
+        # The [model] spec section a fresh process loads this same model from (set by
+        # Pipeline.from_spec for a model it loaded from a path; None: a model passed in).
+        # The first calibrations run in such a process (tokenswift.calibrate_apart).
+        self.source: dict | None = None
         self.compiled_tree_sizes: tuple[int, ...] = ()  # see use_compiled_trees
         # while set (tokenswift.compiling.TreeTrial), tree forwards whose graph is not
         # compiled yet run eagerly, priced as compiled: the run's first speculative steps

@@ -1,0 +1,104 @@
+"""A machine's first calibrations in a process of their own.
+
+The first run of a model on a machine measures what its forwards cost
+(:mod:`tokenswift.calibration`) and, with ``compile = "auto"`` and a long run, what
+compiled ones do (:func:`tokenswift.compiling.compile_calibration_for`): a KV store of
+4K positions, timing buffers, and a compile of the whole decoder. Measured in the run's
+own process, what they left stayed resident for the whole run (issue 57: the 100K-token
+run on a 2-core AMD EPYC Zen 4 peaked at 4,142 MiB against its bound of 4,016). So where
+the model came from a path that a fresh process can load, the measurement runs in a
+child process (:data:`CHILD`), which caches its records and exits, and the run loads
+them. The start of that run (2K prompt, 100,000 new tokens, its first 300 generated, a
+fresh calibration cache, same machine): resident 3,620 MiB at peak measured in its own
+process, 3,415 MiB (3,386 after) with the child. Where no child can serve (a model
+passed in as an object, a ``tiny`` one, a child that failed or cached nothing under the
+run's key), the run measures in its own process, as before.
+
+``TOKENSWIFT_CALIBRATE``: ``apart`` (default) or ``here`` (always in the run's process).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CALIBRATE_ENV = "TOKENSWIFT_CALIBRATE"
+CHOICES = ("apart", "here")
+# What a child measures: the forward costs, or compiled against eager steps
+WHAT = ("forwards", "compile")
+
+
+def apart_enabled() -> bool:
+    """Whether calibrations run in a child process where they can (``TOKENSWIFT_CALIBRATE``)."""
+    choice = os.environ.get(CALIBRATE_ENV, "apart").strip().lower()
+    if choice not in CHOICES:
+        raise ValueError(f"{CALIBRATE_ENV}={choice!r}: expected one of {list(CHOICES)}")
+    return choice == "apart"
+
+
+def child_spec(runner, sections: Mapping[str, Any] | None = None) -> dict | None:
+    """The pipeline spec a child process measures ``runner``'s model with: the ``ar``
+    preset over the model's source (:attr:`Runner.source`) and ``sections`` (the run's
+    penalty and sampling, which the scoring cost depends on). None where no child can
+    load the same model or calibrations run in the run's process."""
+    source = getattr(runner, "source", None)
+    if source is None or not apart_enabled():
+        return None
+    return {"preset": "ar", "model": dict(source), **dict(sections or {})}
+
+
+def measure_apart(spec: Mapping[str, Any], what: str) -> bool:
+    """Measure ``what`` (:data:`WHAT`) for the model of ``spec`` in a child process,
+    which caches the record; True where the child finished. Its progress and warnings
+    go to this process's stderr."""
+    if what not in WHAT:
+        raise ValueError(f"what={what!r}: expected one of {list(WHAT)}")
+    command = [sys.executable, "-c", CHILD, what, json.dumps(spec), str(torch.get_num_threads())]
+    env = {**os.environ, CALIBRATE_ENV: "here"}
+    logger.info("measuring %s in a process of its own (its memory is released when it exits)", what)
+    try:
+        done = subprocess.run(command, env=env, stdin=subprocess.DEVNULL, check=False)
+    except OSError as exc:
+        logger.warning("could not start the calibration process (%s); measuring in this one", exc)
+        return False
+    if done.returncode != 0:
+        logger.warning("the calibration process failed (exit status %d); measuring in this one", done.returncode)
+        return False
+    return True
+
+
+def _child(what: str, spec_json: str, threads: str) -> int:
+    from tokenswift import Pipeline
+    from tokenswift.calibration import calibration_for
+    from tokenswift.compiling import compile_calibration_for
+
+    from tokenswift.errors import TokenswiftError
+    from tokenswift.model.compiled import CompileUnavailable
+
+    torch.set_num_threads(int(threads))  # the run's threads: part of the records' key
+    try:
+        pipe = Pipeline.from_spec(json.loads(spec_json))
+        if what == "forwards":
+            calibration_for(pipe.runner, pipe.scorer)
+        else:
+            compile_calibration_for(pipe.runner)
+    except (CompileUnavailable, TokenswiftError, ValueError) as exc:  # the run says why, measuring itself
+        logger.warning("the calibration process stopped: %s", exc)
+        return 2
+    return 0
+
+
+# The child's program (not ``-m`` this module: the package imports it before running it)
+CHILD = (
+    "import logging, sys; logging.basicConfig(level=logging.WARNING, format='%(levelname)s:%(name)s:%(message)s'); "
+    "from tokenswift.calibrate_apart import _child; sys.exit(_child(*sys.argv[1:]))"
+)
