@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from tokenswift import Pipeline, SpecError
 from tokenswift.calibration import Calibration, calibrate, calibration_for, load_calibration
 from tokenswift.costs import CostModel
+from tokenswift.drafters.eagle import LevelEconomy
 from tokenswift.interfaces import Verdict
 from tokenswift.scoring import FEW_PRODUCT_ROWS, ONE_PRODUCT_ROWS
 from tokenswift.speculation import (
@@ -250,6 +251,12 @@ def test_a_step_scores_its_likeliest_nodes_in_one_head_product(monkeypatch):
     spec = {"preset": "eagle", "drafter": {"weights": "random"}, "retriever": {"name": "ngram"}, "sampling": {"greedy": True},
             "speculation": {"max_nodes": 11, "plain_guard": False}}  # the made-up costs alone decide
     prompt = [5, 9, 17, 3] * 3  # the looping model repeats it: n-grams hit
+    # Nothing measured on this machine steers the run: how deep the drafter goes follows
+    # the time its levels take (LevelEconomy), and the tree choice the forwards' measured
+    # times (CostModel.observe_forward); on a busy machine they drafted and verified too
+    # little to accept 10 tokens.
+    monkeypatch.setattr(LevelEconomy, "deepest", lambda self, limit: limit)
+    monkeypatch.setattr(CostModel, "observe_forward", lambda self, nodes, context, seconds: None)
     results = {}
     timings = {"narrow": (10.0, 10.0), "few": (10.0, 1.1), "wide": (1.1, 10.0)}  # ms of 12 rows, of 4 rows
     for name, (rows_ms, few_ms) in timings.items():
