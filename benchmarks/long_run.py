@@ -34,7 +34,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from tokenswift import Pipeline, hookimpl
-from tokenswift.memory import parameter_bytes, peak_rss_mib
+from tokenswift.memory import malloc_mib, parameter_bytes, peak_rss_mib
 from tokenswift.checkpoint import Checkpoint
 from tokenswift.errors import SpecError, TokenswiftError
 from tokenswift.health import EMPTY_SUMMARY
@@ -105,12 +105,17 @@ class BlockRecorder:
         if step.generated - generated < self.block and step.generated < self.bar.total:
             return
         tokens = step.generated - generated
+        heaps = malloc_mib()
         self.blocks.append(
             {
                 "generated": step.generated,
                 "ms_per_token": round(1000 * (step.seconds - seconds) / tokens, 2),
                 "draft_ms_per_token": round(1000 * self.propose_seconds / tokens, 2),
                 "rss_mib": round(resident_mib(), 1),
+                # of which malloc's heaps hold in use / keep freed (None: not glibc): what
+                # grows in the first is still referenced; in the second, fragmentation
+                "malloc_in_use_mib": round(heaps[0], 1) if heaps else None,
+                "malloc_free_mib": round(heaps[1], 1) if heaps else None,
                 # the mechanism: tokens a step and where the accepted ones came from
                 "tokens_per_step": round(tokens / self.steps, 3),
                 "drafter_tokens_per_step": round((self.accepted - self.retrieved) / self.steps, 3),
@@ -151,6 +156,10 @@ def plot(record: dict, path: Path) -> None:
     time_ax.set_ylim(bottom=0)
     time_ax.legend()
     mem_ax.plot(x, [b["rss_mib"] for b in blocks], marker=".", label="resident (VmRSS)")
+    held = [b for b in blocks if b.get("malloc_in_use_mib") is not None]
+    if held:
+        mem_ax.plot([b["generated"] / 1000 for b in held], [b["malloc_in_use_mib"] for b in held], marker=".",
+                    label="of it, malloc in use")
     mem_ax.axhline(record["bound_mib"], color="red", linestyle="--", label="bound: 1.2 x (runtime + weights + predicted)")
     mem_ax.set(xlabel="generated tokens (K)", ylabel="MiB", title="resident memory")
     mem_ax.set_ylim(bottom=0)

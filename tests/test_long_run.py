@@ -29,6 +29,9 @@ def test_long_run_records_every_block_within_the_memory_bound(model_dir, tmp_pat
         assert b["tokens_per_step"] >= 1 and 0 <= b["drafter_tokens_per_step"] + b["retriever_tokens_per_step"] < b["tokens_per_step"]
         assert all(0 < b[f"distinct_{n}"] <= 1 for n in (1, 2, 3, 4))
         assert b["recent_self_nll"] > 0
+        # and where resident memory goes: malloc's heaps in use and freed
+        if b["malloc_in_use_mib"] is not None:  # glibc 2.33+
+            assert b["malloc_in_use_mib"] > 0 and b["malloc_free_mib"] >= 0
     assert "distinct-4" in (out / "long_run.md").read_text()
     assert record["peak_rss_mib"] <= record["bound_mib"]
     assert record["summary"]["new_tokens"] == 120 and "rope yarn:4" in record["title"]

@@ -98,3 +98,58 @@ def test_cli_reports_non_finite_scores_and_keeps_the_file(monkeypatch, tmp_path,
     assert code == 1
     assert "NaN/inf scores after 7 tokens; the text so far was kept in" in capsys.readouterr().err
     assert out.is_file()
+
+
+def _tensor_bytes() -> int:
+    """Bytes of the distinct CPU tensor storages reachable from Python objects."""
+    import gc
+
+    import torch
+
+    storages = {}
+    for obj in gc.get_objects():
+        # real tensors only: earlier tests' compiles leave fake ones alive, which have no data
+        if type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.device.type == "cpu" and obj.layout == torch.strided:
+            try:
+                storage = obj.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+            except (NotImplementedError, RuntimeError):  # a tensor without storage (an opaque one)
+                continue
+    return sum(storages.values())
+
+
+class _Watch:
+    """At ``first`` and ``last`` generated tokens: the live tensors' bytes and, from
+    ``first`` on, the Python heap allocated since (tracemalloc)."""
+
+    def __init__(self, first: int, last: int) -> None:
+        self.first, self.last, self.seen = first, last, {}
+
+    @hookimpl
+    def tokenswift_step_end(self, pipeline, step):
+        import tracemalloc
+
+        if "first" not in self.seen and step.generated >= self.first:
+            self.seen["first"] = (step.generated, _tensor_bytes())
+            tracemalloc.start()
+        elif "last" not in self.seen and step.generated >= self.last:
+            self.seen["last"] = (step.generated, _tensor_bytes(), tracemalloc.get_traced_memory()[0])
+            tracemalloc.stop()
+
+
+def test_a_long_run_holds_no_more_per_token_than_its_text():
+    """Past its first tokens, a run of the default preset keeps no more tensors, and its
+    Python heap grows by no more than the text's own bookkeeping (the n-gram retriever's
+    table, the tokens): what a 100K-token run would add to its resident memory.
+    (Resident memory itself is the allocator's choice and counts every test's leftovers.)"""
+    spec = {"preset": "tokenswift", "drafter": {"heads": "random"}, "model": {"compile": False}}
+    pipe = Pipeline.from_spec(spec, tiny_model_for("llama-gqa", "float32"))
+    watch = _Watch(first=400, last=1600)
+    pipe.plugin_manager.register(watch)
+    result = pipe.generate(list(range(1, 21)), 1600, seed=0, ignore_eos=True)
+    assert len(result.tokens) == 1600 and set(watch.seen) == {"first", "last"}
+    (first, tensors_then), (last, tensors_now, heap) = watch.seen["first"], watch.seen["last"]
+    assert tensors_now - tensors_then <= 64 * 1024, (tensors_then, tensors_now)
+    # ~500 bytes a token here (each new 4-gram's entry); a planted leak of one small dict a
+    # step read ~800, and of each step's last hidden row kept, +196 KB of tensors
+    assert heap / (last - first) < 768, f"{heap / (last - first):.0f} bytes a token"

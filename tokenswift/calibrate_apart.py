@@ -76,29 +76,9 @@ def measure_apart(spec: Mapping[str, Any], what: str) -> bool:
     return True
 
 
-def _child(what: str, spec_json: str, threads: str) -> int:
-    from tokenswift import Pipeline
-    from tokenswift.calibration import calibration_for
-    from tokenswift.compiling import compile_calibration_for
-
-    from tokenswift.errors import TokenswiftError
-    from tokenswift.model.compiled import CompileUnavailable
-
-    torch.set_num_threads(int(threads))  # the run's threads: part of the records' key
-    try:
-        pipe = Pipeline.from_spec(json.loads(spec_json))
-        if what == "forwards":
-            calibration_for(pipe.runner, pipe.scorer)
-        else:
-            compile_calibration_for(pipe.runner)
-    except (CompileUnavailable, TokenswiftError, ValueError) as exc:  # the run says why, measuring itself
-        logger.warning("the calibration process stopped: %s", exc)
-        return 2
-    return 0
-
-
-# The child's program (not ``-m`` this module: the package imports it before running it)
+# The child's program: ``tokenswift calibrate``'s measurement for a run (a command module,
+# which may build a pipeline; this runtime module may not import one)
 CHILD = (
     "import logging, sys; logging.basicConfig(level=logging.WARNING, format='%(levelname)s:%(name)s:%(message)s'); "
-    "from tokenswift.calibrate_apart import _child; sys.exit(_child(*sys.argv[1:]))"
+    "from tokenswift.commands.calibrate import measure_for_run; sys.exit(measure_for_run(*sys.argv[1:]))"
 )

@@ -70,3 +70,23 @@ def peak_rss_mib() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def malloc_mib() -> tuple[float, float] | None:
+    """(in use, free) MiB of glibc malloc's heaps, mmapped chunks counted in use (their
+    pages resident only once written), or None where the C library is not glibc 2.33+.
+    Resident memory that grows with the first figure is memory still held; with the
+    second, freed memory the heaps keep."""
+    import ctypes
+
+    class _Info(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    try:
+        mallinfo2 = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    mallinfo2.restype = _Info
+    info = mallinfo2()
+    return (info.uordblks + info.hblkhd) / 2**20, info.fordblks / 2**20

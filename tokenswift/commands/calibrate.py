@@ -91,3 +91,32 @@ def show_compile(runner, *, refresh: bool) -> None:
         f"cached in {CompileCalibration.path(result.key)}",
         file=sys.stderr,
     )
+
+
+def measure_for_run(what: str, spec_json: str, threads: str) -> int:
+    """A run's first calibration, in the child process it started
+    (:mod:`tokenswift.calibrate_apart`): ``what`` ("forwards" or "compile") for the
+    pipeline of ``spec_json``, at the run's ``threads``, cached where the run looks.
+    Returns the exit status (2: it stopped, said why; the run then measures itself)."""
+    import json
+    import logging
+
+    import torch
+
+    from tokenswift import Pipeline
+    from tokenswift.calibration import calibration_for
+    from tokenswift.compiling import compile_calibration_for
+    from tokenswift.errors import TokenswiftError
+    from tokenswift.model.compiled import CompileUnavailable
+
+    torch.set_num_threads(int(threads))  # the run's threads: part of the records' key
+    try:
+        pipe = Pipeline.from_spec(json.loads(spec_json))
+        if what == "forwards":
+            calibration_for(pipe.runner, pipe.scorer)
+        else:
+            compile_calibration_for(pipe.runner)
+    except (CompileUnavailable, TokenswiftError, ValueError) as exc:
+        logging.getLogger(__name__).warning("the calibration process stopped: %s", exc)
+        return 2
+    return 0
