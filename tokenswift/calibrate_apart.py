@@ -8,9 +8,10 @@ own process, what they left stayed resident for the whole run (issue 57: the 100
 run on a 2-core AMD EPYC Zen 4 peaked at 4,142 MiB against its bound of 4,016). So where
 the model came from a path that a fresh process can load, the measurement runs in a
 child process (:data:`CHILD`), which caches its records and exits, and the run loads
-them. The start of that run (2K prompt, 100,000 new tokens, its first 300 generated, a
-fresh calibration cache, same machine): resident 3,620 MiB at peak measured in its own
-process, 3,415 MiB (3,386 after) with the child. Where no child can serve (a model
+them. The start of that run (2K prompt, 100,000 new tokens asked, 300 generated, empty
+caches; ``benchmarks/first_run_memory.py``, same machine) peaked at 3,667 MiB measuring in
+its own process and 3,498 MiB with the child. The child costs its start and the model's
+load (~9 s there), once per machine and model. Where no child can serve (a model
 passed in as an object, a ``tiny`` one, a child that failed or cached nothing under the
 run's key), the run measures in its own process, as before.
 
