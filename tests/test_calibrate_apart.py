@@ -89,7 +89,7 @@ def test_the_compile_calibration_asks_a_child_first(model_dir, own_cache, monkey
         record.save()
         return True
 
-    monkeypatch.setattr(compiling, "measure_apart", child)
+    monkeypatch.setattr(calibrate_apart, "measure_apart", child)
     monkeypatch.setattr(compiling, "measure_compile", lambda runner: pytest.fail("measured here"))
     assert compiling.compile_calibration_for(pipe.runner) == record
     assert asked == [(str(model_dir), "compile")]

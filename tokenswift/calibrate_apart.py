@@ -77,6 +77,19 @@ def measure_apart(spec: Mapping[str, Any], what: str) -> bool:
     return True
 
 
+def record_from_child(runner, what: str, load, sections: Mapping[str, Any] | None = None):
+    """``what`` measured for ``runner`` in a child process and ``load(runner)``'s record
+    of it; None where no child can serve, it failed, or it cached nothing under the
+    run's key (then the caller measures in its own process)."""
+    spec = child_spec(runner, sections)
+    if spec is None or not measure_apart(spec, what):
+        return None
+    record = load(runner)
+    if record is None:
+        logger.warning("the calibration process cached nothing under this run's key; measuring in this one")
+    return record
+
+
 # The child's program: ``tokenswift calibrate``'s measurement for a run (a command module,
 # which may build a pipeline; this runtime module may not import one)
 CHILD = (

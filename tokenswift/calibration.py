@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import attrs
 import torch
 
-from tokenswift.calibrate_apart import child_spec, measure_apart
+from tokenswift.calibrate_apart import record_from_child
 from tokenswift.machine import machine_name
 from tokenswift.records import CALIBRATION_FORMAT, CachedRecord, machine_key
 from tokenswift.sampling import make_sampler
@@ -236,11 +236,7 @@ def calibration_for(runner, scorer, *, refresh: bool = False, sections: Mapping[
     (milliseconds) and saved, rather than the whole calibration again."""
     calibration = None if refresh else load_calibration(runner)
     if calibration is None and not refresh:
-        spec = child_spec(runner, sections)
-        if spec is not None and measure_apart(spec, "forwards"):
-            calibration = load_calibration(runner)
-            if calibration is None:
-                logger.warning("the calibration process cached nothing under this run's key; measuring in this one")
+        calibration = record_from_child(runner, "forwards", load_calibration, sections)
     if calibration is None:
         logger.warning("measuring this machine's forward costs once for %s (cached for next time)", runner.dtype)
         calibration = calibrate(runner, scorer)

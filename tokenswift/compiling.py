@@ -31,7 +31,7 @@ from typing import ClassVar
 import attrs
 
 from tokenswift import compile_costs, distributed
-from tokenswift.calibrate_apart import child_spec, measure_apart
+from tokenswift.calibrate_apart import record_from_child
 from tokenswift.machine import machine_name
 from tokenswift.model.compiled import CompiledForward, CompileUnavailable, compiler_problem, layered_problem
 from tokenswift.records import CachedRecord, machine_key
@@ -290,12 +290,9 @@ def compile_calibration_for(runner) -> CompileCalibration:
     cached = load_compile_calibration(runner)
     if cached is not None:
         return cached
-    spec = child_spec(runner)  # in a process of its own where one can load the model (its memory released)
-    if spec is not None and measure_apart(spec, "compile"):
-        cached = load_compile_calibration(runner)
-        if cached is not None:
-            return cached
-        logger.warning("the calibration process cached nothing under this run's key; measuring in this one")
+    cached = record_from_child(runner, "compile", load_compile_calibration)  # its memory released with the child
+    if cached is not None:
+        return cached
     logger.warning("measuring compiled against eager one-token forwards once (compiles the model; cached for next time)")
     result = measure_compile(runner)
     result.save()

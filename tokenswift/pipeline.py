@@ -160,11 +160,13 @@ class Pipeline:
                 raise SpecError("no model: pass model= or give a [model] section with 'path' or 'tiny'")
             model, loaded_tokenizer = load_model(spec_obj.model)
             tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
-            pipe = cls(spec_obj, model, tokenizer, registry=registry, plugin_manager=pm)
-            if spec_obj.model.path is not None:  # a fresh process loads the same model from it
-                pipe.runner.source = {**spec_obj.model.to_dict(), "dtype": str(pipe.runner.dtype).removeprefix("torch.")}
-            return pipe
-        return cls(spec_obj, model, tokenizer, registry=registry, plugin_manager=pm)
+            source = spec_obj.model if spec_obj.model.path is not None else None  # a fresh process loads it again
+        else:
+            source = None
+        pipe = cls(spec_obj, model, tokenizer, registry=registry, plugin_manager=pm)
+        if source is not None:
+            pipe.runner.source = {**source.to_dict(), "dtype": str(pipe.runner.dtype).removeprefix("torch.")}
+        return pipe
 
     @staticmethod
     def _spec_dict(spec, registry: Registry) -> dict[str, Any]:
