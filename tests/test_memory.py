@@ -1,5 +1,11 @@
 """Memory is predicted before a run and a run that cannot fit is refused."""
 
+import gc
+import os
+import subprocess
+import sys
+import weakref
+
 import pytest
 
 from tokenswift import Pipeline, get_plugin_manager, hookimpl
@@ -153,3 +159,56 @@ def test_a_long_run_holds_no_more_per_token_than_its_text():
     # ~500 bytes a token here (each new 4-gram's entry); a planted leak of one small dict a
     # step read ~800, and of each step's last hidden row kept, +196 KB of tensors
     assert heap / (last - first) < 768, f"{heap / (last - first):.0f} bytes a token"
+
+
+def test_a_kv_store_the_runner_replaces_is_freed_at_once():
+    """A longer request replaces the runner's store; the old one goes with its last
+    reference, not at Python's next cyclic collection (the cache's layers referred back
+    to their cache: a cycle that held every replaced store, 360 MiB at 16K positions)."""
+    pipe = Pipeline.from_spec("ar", tiny_model_for("llama-gqa", "float32"))
+    pipe.generate([1, 2, 3], 4, seed=0, ignore_eos=True)
+    old = weakref.ref(pipe.runner.store)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        pipe.generate([1, 2, 3], 200, seed=0, ignore_eos=True)
+        assert pipe.runner.store is not old()
+        assert old() is None
+    finally:
+        if collecting:
+            gc.enable()
+
+
+_SHAPES_PROBE = """
+import tokenswift, torch
+from tokenswift.memory import malloc_mib
+torch.set_num_threads(1)
+weight = torch.randn(256, 128, dtype=torch.bfloat16)
+torch.nn.functional.linear(torch.randn(1, 128, dtype=torch.bfloat16), weight)
+before = malloc_mib()[0]
+for rows in range(2, 602):
+    torch.nn.functional.linear(torch.randn(rows, 128, dtype=torch.bfloat16), weight)
+print(malloc_mib()[0] - before)
+"""
+
+
+def _growth_over_shapes(**env) -> float:
+    """MiB malloc's heaps hold after bfloat16 products of 600 row counts, in a fresh
+    process that imports tokenswift first, with ``env`` set over this one's."""
+    base = {k: v for k, v in os.environ.items() if k not in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")}
+    done = subprocess.run([sys.executable, "-c", _SHAPES_PROBE], env={**base, **env}, capture_output=True, text=True,
+                          timeout=300, check=True)
+    return float(done.stdout.strip().splitlines()[-1])
+
+
+def test_importing_tokenswift_caps_what_new_shapes_keep():
+    """oneDNN caches a primitive per shape (bfloat16 products on AVX512-BF16/AMX CPUs):
+    importing tokenswift caps those caches, and a value the user sets wins. Where this
+    CPU's products do not go through oneDNN, neither way grows and the bound holds."""
+    from tokenswift.memory import malloc_mib
+
+    if malloc_mib() is None:
+        pytest.skip("malloc's heaps cannot be read here (not glibc 2.33+)")
+    capped = _growth_over_shapes()
+    users = _growth_over_shapes(LRU_CACHE_CAPACITY="1024", ONEDNN_PRIMITIVE_CACHE_CAPACITY="1024")
+    assert capped <= 0.5 * users + 16, (capped, users)

@@ -6,6 +6,10 @@ of swappable parts.
     >>> pipe.generate("Once upon a time", max_new_tokens=50, seed=0).text  # doctest: +SKIP
 """
 
+from tokenswift.memory import cap_native_caches
+
+cap_native_caches()  # before the process's first oneDNN product: see tokenswift.memory
+
 from tokenswift.errors import ModelLoadError, PluginError, SpecError, TokenswiftError
 from tokenswift.pipeline import GenerationResult, GenerationStats, Pipeline, StepRecord, StreamChunk
 from tokenswift.registry import get_plugin_manager, hookimpl

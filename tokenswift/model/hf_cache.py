@@ -11,6 +11,8 @@ object travels to the attention function as the ``tokenswift_plan`` keyword argu
 
 from __future__ import annotations
 
+import weakref
+
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from tokenswift.model.kv import KVStore
@@ -18,23 +20,36 @@ from tokenswift.model.plan import ForwardPlan
 
 
 class StoreLayer(CacheLayerMixin):
-    """One layer of :class:`StoreCache`."""
+    """One layer of :class:`StoreCache`. It refers to its cache weakly: a strong
+    reference made the cache, its layers and its store a reference cycle, so a store
+    the runner replaced (a longer request, a calibration's contexts) stayed allocated
+    until Python's cyclic collector ran, which a process allocating few objects rarely
+    does (a server given 100 requests of growing prompts held ~125 MiB of them; a store
+    of 16K positions is 360 MiB)."""
 
     is_compileable = False
     is_sliding = False
 
     def __init__(self, cache: StoreCache, layer_idx: int) -> None:
         super().__init__()
-        self._cache = cache
+        self._cache_ref = weakref.ref(cache)
         self._layer_idx = layer_idx
         self.is_initialized = True
 
     def lazy_initialization(self, key_states, value_states) -> None:  # noqa: D102 - storage is preallocated
         return None
 
+    @property
+    def _cache(self) -> StoreCache:
+        cache = self._cache_ref()
+        if cache is None:
+            raise RuntimeError("this cache layer outlived its StoreCache (the runner replaced its KV store)")
+        return cache
+
     def update(self, key_states, value_states, *args, **kwargs):
         # key_states/value_states: [1, kv_heads, n, head_dim], keys already RoPE-rotated.
-        return self._cache.plan.view.join(self._cache.store, self._layer_idx, key_states, value_states)
+        cache = self._cache
+        return cache.plan.view.join(cache.store, self._layer_idx, key_states, value_states)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
