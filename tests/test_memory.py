@@ -212,3 +212,18 @@ def test_importing_tokenswift_caps_what_new_shapes_keep():
     capped = _growth_over_shapes()
     users = _growth_over_shapes(LRU_CACHE_CAPACITY="1024", ONEDNN_PRIMITIVE_CACHE_CAPACITY="1024")
     assert capped <= 0.5 * users + 16, (capped, users)
+
+
+def test_the_native_cache_caps_leave_a_users_value_but_never_a_crashing_zero(monkeypatch, caplog):
+    from tokenswift.memory import cap_native_caches
+
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "500")
+    cap_native_caches(32)
+    assert os.environ["LRU_CACHE_CAPACITY"] == "500"
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "32"
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "0")
+    with caplog.at_level("WARNING", logger="tokenswift.memory"):
+        cap_native_caches(32)
+    assert os.environ["LRU_CACHE_CAPACITY"] == "1"
+    assert "LRU_CACHE_CAPACITY=0 crashes" in caplog.text
