@@ -44,6 +44,11 @@ def test_interrupt_and_resume_equals_the_uninterrupted_run(tmp_path, sampling, m
     resumed = Pipeline.from_spec(saved.spec, model).generate(None, 0, resume=saved, checkpoint=path)
     assert resumed.tokens == full.tokens
     assert Checkpoint.load(path).finish_reason == "length" and Checkpoint.load(path).tokens == full.tokens
+    # the resumed run's rates count what its own steps emitted, not the checkpoint's tokens
+    stats = resumed.stats
+    assert stats.resumed_tokens == len(saved.tokens) and stats.new_tokens == 60
+    emitted = sum(count * tokens for tokens, count in stats.tokens_per_step_histogram.items())
+    assert stats.tokens_per_step == pytest.approx(emitted / stats.steps) == pytest.approx((60 - len(saved.tokens)) / stats.steps)
 
 
 def test_periodic_checkpoints_are_written(tmp_path):

@@ -497,6 +497,7 @@ class Pipeline:
             stats=stats.stats(
                 prompt_tokens=len(run.prompt_ids),
                 new_tokens=len(new_tokens),
+                resumed_tokens=len(resume.tokens) if resume is not None else 0,
                 seconds=time.perf_counter() - run.started,
                 prefill_seconds=run.prefill_seconds,
                 finish_reason=run.finish_reason,

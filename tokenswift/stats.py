@@ -139,6 +139,14 @@ class GenerationStats:
     compile_seconds: float = 0.0  # what compiling took during this run (in `seconds`)
     health: TextHealth | None = None  # the text's health at the end (None: no step ran)
     model_stage_seconds: dict[str, float] = attrs.field(factory=dict)  # per stage, the models' part of stage_seconds
+    resumed_tokens: int = 0  # of new_tokens, the ones a checkpoint brought (no step of this run emitted them)
+
+    @property
+    def decoded_tokens(self) -> int:
+        """The new tokens this run's steps emitted: what its rates count. A resumed run
+        counted the checkpoint's as well, so a 100K run resumed at 41K reported 1.7
+        tokens a step where its steps emitted 1.003."""
+        return self.new_tokens - self.resumed_tokens
 
     @property
     def decode_seconds(self) -> float:
@@ -146,15 +154,15 @@ class GenerationStats:
 
     @property
     def tokens_per_second(self) -> float:
-        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+        return self.decoded_tokens / self.seconds if self.seconds > 0 else 0.0
 
     @property
     def decode_tokens_per_second(self) -> float:
-        return self.new_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+        return self.decoded_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
     @property
     def tokens_per_step(self) -> float:
-        return self.new_tokens / self.steps if self.steps else 0.0
+        return self.decoded_tokens / self.steps if self.steps else 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -170,6 +178,7 @@ class GenerationStats:
             "dtype": self.dtype,
             "prompt_tokens": self.prompt_tokens,
             "new_tokens": self.new_tokens,
+            "resumed_tokens": self.resumed_tokens,
             "steps": self.steps,
             "seconds": round(self.seconds, 3),
             "tokens_per_second": round(self.tokens_per_second, 2),
@@ -234,11 +243,12 @@ class StatsCollector:
 
     def stats(
         self, *, prompt_tokens: int, new_tokens: int, seconds: float, prefill_seconds: float, finish_reason: str, dtype: str = "",
-        compiled: bool = False, compile_seconds: float = 0.0,
+        compiled: bool = False, compile_seconds: float = 0.0, resumed_tokens: int = 0,
     ) -> GenerationStats:
         return GenerationStats(
             prompt_tokens=prompt_tokens,
             new_tokens=new_tokens,
+            resumed_tokens=resumed_tokens,
             steps=self.steps,
             seconds=seconds,
             prefill_seconds=prefill_seconds,
