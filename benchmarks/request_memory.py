@@ -23,6 +23,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tokenswift.memory import NATIVE_CACHE_VARIABLES
+
 PROGRAM = r"""
 import gc, json, sys, logging
 from tokenswift import Pipeline
@@ -48,7 +50,7 @@ collected = gc.collect()
 print(json.dumps({"rows": rows, "collected_objects": collected, "collection_freed_mib": round(before - malloc_mib()[0], 1)}))
 """
 
-MODES = {"capped": {}, "uncapped": {"LRU_CACHE_CAPACITY": "1024", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024"}}
+MODES = {"capped": {}, "uncapped": dict.fromkeys(NATIVE_CACHE_VARIABLES, "1024")}
 
 
 def measure(mode: str, args) -> dict:

@@ -108,8 +108,6 @@ def test_cli_reports_non_finite_scores_and_keeps_the_file(monkeypatch, tmp_path,
 
 def _tensor_bytes() -> int:
     """Bytes of the distinct CPU tensor storages reachable from Python objects."""
-    import gc
-
     import torch
 
     storages = {}
@@ -195,7 +193,9 @@ print(malloc_mib()[0] - before)
 def _growth_over_shapes(**env) -> float:
     """MiB malloc's heaps hold after bfloat16 products of 600 row counts, in a fresh
     process that imports tokenswift first, with ``env`` set over this one's."""
-    base = {k: v for k, v in os.environ.items() if k not in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")}
+    from tokenswift.memory import NATIVE_CACHE_VARIABLES
+
+    base = {k: v for k, v in os.environ.items() if k not in NATIVE_CACHE_VARIABLES}
     done = subprocess.run([sys.executable, "-c", _SHAPES_PROBE], env={**base, **env}, capture_output=True, text=True,
                           timeout=300, check=True)
     return float(done.stdout.strip().splitlines()[-1])
