@@ -110,15 +110,33 @@ def test_calibration_of_a_tiny_model_is_measured_cached_and_reloaded(tmp_path, m
     assert measured.head_few_rows_ms is not None and measured.head_few_rows_ms > 0
 
 
-def test_a_cached_calibration_without_the_few_rows_product_gets_it_measured_not_the_rest(tmp_path, monkeypatch):
+@pytest.mark.parametrize("before", [{"head_few_rows_ms": None}, {"head_cold": False}], ids=["no-few-rows", "timed-warm"])
+def test_a_cached_calibration_from_before_gets_its_scoring_timed_cold_not_the_forwards(tmp_path, monkeypatch, before):
     monkeypatch.setenv("TOKENSWIFT_CACHE", str(tmp_path))
     pipe = Pipeline.from_spec("ar", tiny_model_for("llama-gqa", "float32"))
-    old = attrs.evolve(calibration_for(pipe.runner, pipe.scorer), head_few_rows_ms=None, score_ms=123.0)
-    old.save()  # as a calibration from before the field was written
+    measured = calibration_for(pipe.runner, pipe.scorer)
+    assert measured.head_cold  # a CPU's calibration times scoring cold
+    forwards = tuple(tuple(10 * ms for ms in row) for row in measured.forward_ms)
+    old = attrs.evolve(measured, forward_ms=forwards, score_ms=123.0, head_ms=123.0, **before)
+    old.save()  # as a calibration from before the field was written, or timed with the caches warm
     monkeypatch.setattr("tokenswift.calibration.calibrate", lambda *a, **k: pytest.fail("measured anew"))
+    evictions = []
+    monkeypatch.setattr("tokenswift.timing.evict_caches", lambda: evictions.append(1))
     filled = calibration_for(pipe.runner, pipe.scorer)
-    assert filled.score_ms == 123.0 and filled.head_few_rows_ms is not None and filled.head_few_rows_ms > 0
+    assert filled.forward_ms == forwards  # kept
+    assert filled.head_cold and filled.score_ms != 123.0 and filled.head_ms != 123.0
+    assert filled.head_few_rows_ms is not None and filled.head_few_rows_ms > 0
+    assert len(evictions) >= 4 * 5  # every timing of the four (score, 1 / few / many rows) after an eviction
     assert load_calibration(pipe.runner) == filled  # saved
+
+
+def test_evicting_the_caches_writes_twice_the_last_level_cache():
+    from tokenswift import timing
+
+    buffer = timing._eviction_buffer()
+    before = buffer[-1].item()
+    timing.evict_caches()
+    assert buffer.numel() * 4 == 2 * timing.last_level_cache_bytes() and buffer[-1].item() == before + 1
 
 
 def test_calibration_stops_at_node_counts_too_expensive_to_verify():
