@@ -5,7 +5,9 @@
         --variant 'gate-off=tokenswift:{"speculation": {"pass_gain": 1000}}' [--out DIR]
 
 Each ``--variant LABEL=PRESET[:JSON]`` is a preset with spec overrides (a JSON table of
-spec sections, merged into the preset's). Every variant runs compiled, bfloat16, from
+spec sections, merged into the preset's); a ``calibration`` table in it replaces fields
+of the cached calibration its cost model prices with (what its trees would be had the
+machine measured so: ``'warm=eagle:{"calibration": {"head_ms": 0.727}}'``). Every variant runs compiled, bfloat16, from
 one shared prefill of the held-out prompt, in turns of 8 tokens (as ``bench
 --interleaved``), alternating the order each round, so that the machine's drift hits all
 alike. The first variant is the baseline of the ratios (give ``ar`` first). Prints a
@@ -24,6 +26,9 @@ import logging
 import time
 from pathlib import Path
 
+import attrs
+
+from tokenswift.calibration import Calibration
 from tokenswift.errors import SpecError
 from tokenswift.machine import machine_name
 from tokenswift.model.loading import load_model
@@ -36,6 +41,7 @@ from tokenswift.tools.interleaved import compile_model_once, prefill_once
 logger = logging.getLogger("variant_turns")
 
 TURN = 8  # tokens a variant decodes before the next one's turn
+CALIBRATION = "calibration"  # the overrides' table of calibration fields, not a spec section
 
 
 def parse_variant(text: str) -> tuple[str, str, dict]:
@@ -53,6 +59,10 @@ def parse_variant(text: str) -> tuple[str, str, dict]:
     if not isinstance(table, dict) or not all(isinstance(v, dict) for v in table.values()):
         raise ValueError(f"--variant {text!r}: overrides must be a JSON table of spec sections, e.g. "
                          '{"speculation": {"plain_guard": false}}')
+    fields = {field.name for field in attrs.fields(Calibration)}
+    unknown = sorted(set(table.get(CALIBRATION, {})) - fields)
+    if unknown:
+        raise ValueError(f"--variant {text!r}: unknown calibration fields {unknown}; valid: {', '.join(sorted(fields))}")
     return label.strip(), preset, table
 
 
@@ -66,9 +76,13 @@ def run(variants: list[tuple[str, str, dict]], context: int, new_tokens: int, gr
     for label, preset, table in variants:
         overrides = {"model": {"compile": True}, **({"sampling": {"greedy": True}} if greedy else {})}
         for section, options in table.items():
-            overrides[section] = {**overrides.get(section, {}), **options}
+            if section != CALIBRATION:
+                overrides[section] = {**overrides.get(section, {}), **options}
         pipes[label] = preset_pipeline(preset, model, tokenizer, overrides=overrides)
         pipes[label].drafter.compile_now()
+        if table.get(CALIBRATION):
+            costs = pipes[label].costs()
+            costs.calibration = attrs.evolve(costs.calibration, **table[CALIBRATION])
     prefilled = prefill_once(pipes, prompt, max(p.kv_capacity(len(prompt), new_tokens) for p in pipes.values()))
     totals = {label: collections.Counter() for label in pipes}
     for seed in seeds:

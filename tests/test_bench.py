@@ -178,3 +178,24 @@ def test_a_benchmarks_drafter_overrides_keep_the_callers_options(preset, options
         assert getattr(pipe.drafter.options, name) == value
     added = "heads" if preset == "medusa" else "weights"  # what the benchmark adds beside them
     assert getattr(pipe.drafter.options, added) == "random"
+
+
+def test_variant_turns_takes_a_calibration_table_and_names_an_unknown_field():
+    """``benchmarks/variant_turns.py``: a variant's ``calibration`` table (the fields its cost
+    model prices with) is kept apart from its spec sections; a misspelt field is a clear
+    error, before any model loads."""
+    import importlib.util
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "variant_turns.py"
+    spec = importlib.util.spec_from_file_location("variant_turns", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.parse_variant('warm=eagle:{"calibration": {"head_ms": 0.7}}') == (
+        "warm", "eagle", {"calibration": {"head_ms": 0.7}})
+    done = subprocess.run([sys.executable, str(script), "--variant", "ar=ar", "--variant",
+                           'warm=eagle:{"calibration": {"hed_ms": 0.7}}'], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "unknown calibration fields ['hed_ms']" in done.stderr and "head_ms" in done.stderr
+    assert "Traceback" not in done.stderr
