@@ -3,6 +3,8 @@ that none of it changes what is emitted."""
 
 import json
 import random
+import weakref
+from pathlib import Path
 
 import attrs
 
@@ -10,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenswift import Pipeline, SpecError
+from tokenswift import Pipeline, SpecError, timing
 from tokenswift.calibration import Calibration, calibrate, calibration_for, load_calibration
 from tokenswift.costs import CostModel
 from tokenswift.drafters.eagle import LevelEconomy
@@ -120,9 +122,20 @@ def test_a_cached_calibration_from_before_gets_its_scoring_timed_cold_not_the_fo
     old = attrs.evolve(measured, forward_ms=forwards, score_ms=123.0, head_ms=123.0, **before)
     old.save()  # as a calibration from before the field was written, or timed with the caches warm
     monkeypatch.setattr("tokenswift.calibration.calibrate", lambda *a, **k: pytest.fail("measured anew"))
-    evictions = []
-    monkeypatch.setattr("tokenswift.timing.evict_caches", lambda: evictions.append(1))
+    evictions, evictors = [], []
+
+    class Counting(timing.CacheEvictor):
+        def __init__(self):
+            super().__init__()
+            evictors.append(weakref.ref(self))
+
+        def __call__(self):
+            evictions.append(1)
+            super().__call__()
+
+    monkeypatch.setattr("tokenswift.calibration.CacheEvictor", Counting)
     filled = calibration_for(pipe.runner, pipe.scorer)
+    assert len(evictors) == 1 and evictors[0]() is None  # its buffer is not kept for the run
     assert filled.forward_ms == forwards  # kept
     assert filled.head_cold and filled.score_ms != 123.0 and filled.head_ms != 123.0
     assert filled.head_few_rows_ms is not None and filled.head_few_rows_ms > 0
@@ -130,13 +143,13 @@ def test_a_cached_calibration_from_before_gets_its_scoring_timed_cold_not_the_fo
     assert load_calibration(pipe.runner) == filled  # saved
 
 
-def test_evicting_the_caches_writes_twice_the_last_level_cache():
-    from tokenswift import timing
-
-    buffer = timing._eviction_buffer()
-    before = buffer[-1].item()
-    timing.evict_caches()
-    assert buffer.numel() * 4 == 2 * timing.last_level_cache_bytes() and buffer[-1].item() == before + 1
+def test_evicting_the_caches_writes_twice_the_last_level_cache(monkeypatch):
+    evict = timing.CacheEvictor()
+    assert evict.buffer.numel() * 4 == 2 * timing.last_level_cache_bytes()
+    evict()
+    assert bool((evict.buffer == 1).all())
+    monkeypatch.setattr(timing, "Path", lambda *_: Path("/nonexistent"))  # no sysfs: the fallback
+    assert timing.last_level_cache_bytes() == timing.LLC_FALLBACK_BYTES
 
 
 def test_calibration_stops_at_node_counts_too_expensive_to_verify():

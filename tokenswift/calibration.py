@@ -28,7 +28,7 @@ from tokenswift.machine import machine_name
 from tokenswift.records import CALIBRATION_FORMAT, CachedRecord, machine_key
 from tokenswift.sampling import make_sampler
 from tokenswift.scoring import FEW_PRODUCT_ROWS, ONE_PRODUCT_ROWS, finite_rows
-from tokenswift.timing import chain_forward, interleaved_ms, least_ms, measured_contexts
+from tokenswift.timing import CacheEvictor, chain_forward, interleaved_ms, least_ms, measured_contexts
 
 logger = logging.getLogger(__name__)
 
@@ -224,17 +224,18 @@ def scoring_ms(runner, scorer, repeats: int) -> dict[str, Any]:
     steps of 2 and 3 tokens spent 3.6-3.9 and 5.3-6.0 ms in the head where one
     product takes ~2. Cold, one row takes ~1.7 ms and four ~1.9."""
     cold = runner.device.type == "cpu"
+    evict = CacheEvictor() if cold else None  # freed on return: nothing stays resident for the run
     sampler = make_sampler(scorer.sampling, seed=0)
     hidden = torch.zeros(1, runner.config.hidden_size, dtype=runner.dtype, device=runner.device)
     context_ids = scorer.context(list(range(min(scorer.window, 64))), device=runner.device)
     # The draw is timed where the scores it draws from are drawable: a penalty may turn
     # this made-up context's scores to NaN (a run stops there; the calibration must not).
     if finite_rows(scorer(context_ids, runner.logits(hidden)))[0]:
-        score_ms = least_ms(lambda: sampler.draw(scorer(context_ids, runner.logits(hidden))[0], 0), repeats, cold=cold)
+        score_ms = least_ms(lambda: sampler.draw(scorer(context_ids, runner.logits(hidden))[0], 0), repeats, before=evict)
     else:
-        score_ms = least_ms(lambda: scorer(context_ids, runner.logits(hidden)), repeats, cold=cold)
+        score_ms = least_ms(lambda: scorer(context_ids, runner.logits(hidden)), repeats, before=evict)
     head_ms, head_rows_ms, head_few_rows_ms = (
-        head_product_ms(runner, rows, repeats, cold=cold) for rows in (1, ONE_PRODUCT_ROWS, FEW_PRODUCT_ROWS)
+        head_product_ms(runner, rows, repeats, before=evict) for rows in (1, ONE_PRODUCT_ROWS, FEW_PRODUCT_ROWS)
     )
     return {
         "score_ms": round(score_ms, 3), "head_ms": round(head_ms, 3), "head_rows_ms": round(head_rows_ms, 3),
@@ -242,11 +243,11 @@ def scoring_ms(runner, scorer, repeats: int) -> dict[str, Any]:
     }
 
 
-def head_product_ms(runner, rows: int, repeats: int, *, cold: bool = False) -> float:
-    """The LM head's product of ``rows`` rows, ms (least of ``repeats``; ``cold``: each
-    after the caches are evicted)."""
+def head_product_ms(runner, rows: int, repeats: int, *, before=None) -> float:
+    """The LM head's product of ``rows`` rows, ms (least of ``repeats``; ``before``: run
+    untimed before each, a :class:`~tokenswift.timing.CacheEvictor`)."""
     hidden = torch.zeros(rows, runner.config.hidden_size, dtype=runner.dtype, device=runner.device)
-    return least_ms(lambda: runner.logits(hidden), repeats, cold=cold)
+    return least_ms(lambda: runner.logits(hidden), repeats, before=before)
 
 
 def calibration_for(runner, scorer, *, refresh: bool = False, sections: Mapping[str, Any] | None = None) -> Calibration:

@@ -8,7 +8,6 @@ in turns, so that a machine's drift falls on all of them alike.
 
 from __future__ import annotations
 
-import functools
 import time
 from pathlib import Path
 
@@ -39,26 +38,27 @@ def last_level_cache_bytes() -> int:
     return max(sizes, default=0) or LLC_FALLBACK_BYTES
 
 
-@functools.cache
-def _eviction_buffer() -> torch.Tensor:
-    return torch.zeros(2 * last_level_cache_bytes() // 4, dtype=torch.float32)
+class CacheEvictor:
+    """Called, writes twice the last-level cache's size, so that what a product reads
+    next comes from memory, as it does in a step: there the forward has just streamed
+    the decoder's weights (~200 MB for SmolLM2) through the caches. Its buffer lives as
+    long as the evictor (a calibration's timings), not the process."""
+
+    def __init__(self) -> None:
+        self.buffer = torch.zeros(2 * last_level_cache_bytes() // 4, dtype=torch.float32)
+
+    def __call__(self) -> None:
+        self.buffer.add_(1.0)
 
 
-def evict_caches() -> None:
-    """Write twice the last-level cache's size, so that what a product reads next comes
-    from memory, as it does in a step: there the forward has just streamed the
-    decoder's weights (~200 MB for SmolLM2) through the caches."""
-    _eviction_buffer().add_(1.0)
-
-
-def least_ms(fn, repeats: int, *, cold: bool = False) -> float:
+def least_ms(fn, repeats: int, *, before=None) -> float:
     """The least of ``repeats`` timings of ``fn`` (after a warm-up), in milliseconds;
-    ``cold``: each timing after :func:`evict_caches` (not timed)."""
+    ``before``: called before each timing, untimed (a :class:`CacheEvictor`)."""
     fn()  # warm-up: allocators, oneDNN primitives for this shape
     times = []
     for _ in range(max(repeats, 1)):
-        if cold:
-            evict_caches()
+        if before is not None:
+            before()
         synchronize()
         start = time.perf_counter()
         fn()
