@@ -582,6 +582,34 @@ def test_the_level_economy_drafts_a_level_while_the_run_says_it_can_pay():
     assert economy.deepest(6) == 4 and economy.deepest(2) == 2
 
 
+@pytest.mark.parametrize("shallow_pays", [True, False])
+def test_speculative_steps_choose_between_depth_one_and_the_rule_by_their_rate(monkeypatch, shallow_pays):
+    """Each proposal's arm (depth 1 alone, or the rule's depth) is judged by its step's
+    tokens per second, from the proposal's start to the step's end: the arm that pays
+    more drafts most proposals, and its proposals draft as it says. A step that compiled
+    a graph is not counted. The clock is pinned: no timing of this machine is tested."""
+    from tokenswift.drafters import eagle
+
+    clock = [0.0]
+    monkeypatch.setattr(eagle.time, "perf_counter", lambda: clock[0])
+    economy = eagle.LevelEconomy()
+    economy.level_seconds, economy.token_seconds = 0.001, 0.010
+    economy.accepted.extend([3] * economy.STEPS)  # the rule alone would draft deep
+    arms = []
+    for step in range(400):
+        economy.proposing()
+        arms.append(economy.arm)
+        assert economy.deepest(6) == (1 if economy.arm else 4)  # the rule: one past the depth every step reached
+        # a shallow step: 1.5 tokens in 22 ms; a deep one: 2.0 tokens in 27 ms (or in 35)
+        tokens, seconds = (1.5, 0.022) if economy.arm else (2.0, 0.027 if not shallow_pays else 0.035)
+        clock[0] += seconds
+        economy.observe(None, tokens, compiled=step == 5)
+    later = arms[100:]
+    share = later.count(True) / len(later)
+    assert (share > 0.8) if shallow_pays else (share < 0.2)
+    assert sum(economy.shallow.samples.values()) == 399  # the compiling step left out
+
+
 def test_chosen_trees_draft_as_deep_as_the_economy_says_fixed_ones_as_configured(tmp_path):
     """After a run, a drafter of chosen trees drafts deep while deep drafts are accepted
     and levels are cheap against a token, one level once nothing drafted is accepted; a
@@ -597,6 +625,7 @@ def test_chosen_trees_draft_as_deep_as_the_economy_says_fixed_ones_as_configured
     for pipe in pipes.values():
         pipe.generate([5, 9, 17, 3] * 3, 30, seed=0, ignore_eos=True)
         economy = pipe.drafter.economy
+        economy.shallow, economy.arm = None, None  # the rule alone, not the run's choice between it and depth 1
         economy.level_seconds, economy.token_seconds = 0.001, 0.010  # a level costs a tenth of a token
         pipe.drafter.verified_depths.append(depth)  # the tree choice verified the deepest level
         economy.accepted.extend([depth] * economy.STEPS)  # and every step accepted all of it

@@ -38,6 +38,7 @@ from tokenswift.drafters.draft_heads import WEIGHTS_NAME
 from tokenswift.drafters.feature_net import FeatureNet, find_shipped_drafter
 from tokenswift.drafters.head_based import coupled_rating
 from tokenswift.errors import SpecError
+from tokenswift.speculation import RateChooser
 from tokenswift.interfaces import Drafter
 from tokenswift.model.compiled import CompileUnavailable
 from tokenswift.model.linear import serve_linears_by_kernel
@@ -160,32 +161,52 @@ class LevelEconomy:
     Measured before this rule (2K held-out prompt, 400 tokens, ``eagle`` compiled, a
     2-core Sapphire Rapids): greedy, reach(1..3) = 0.73 / 0.38 / 0.065 and no step
     accepted 4; with the paper's sampling 0.50 / 0.096 / 0.026. Yet the drafter drafted
-    4-5 levels (one past the deepest verified node), each ~2.4 ms of a ~40 ms step."""
+    4-5 levels (one past the deepest verified node), each ~2.4 ms of a ~40 ms step.
+
+    The rule prices a level's drafting, not the rows its nodes add to the verify forward
+    and its scoring, nor what the tree choice then makes of them. So the speculative
+    steps themselves choose between it and drafting depth 1 alone (``shallow``, a
+    :class:`~tokenswift.speculation.RateChooser`: each arm's tokens per second from the
+    start of a proposal to the end of its step, steps that compiled a graph left out).
+    On a 2-core AMD EPYC Zen 4 (``eagle``, compiled, greedy, in turns with ``ar``) depth 1
+    alone ran 1.139-1.160x ``ar`` at 2K where the rule ran 0.995-1.059x (two runs), and
+    1.080-1.151x at 16K against 1.023-1.039x."""
 
     CONDITIONAL = 0.5
     STEPS = 32  # the recent steps reach() is taken over
     SMOOTHING = 0.1
 
-    def __init__(self) -> None:
+    def __init__(self, *, choose_depth: bool = True) -> None:
         self.accepted: collections.deque[int] = collections.deque(maxlen=self.STEPS)
         self.level_seconds: float | None = None
         self.token_seconds: float | None = None
         self._since: float | None = None
         self._tokens = 0
+        # True: the proposal drafts depth 1 alone (None: no choice, the rule decides)
+        self.shallow = RateChooser(first=False) if choose_depth else None
+        self.arm: bool | None = None  # the running proposal's arm
+        self._proposal_started: float | None = None
 
     def proposing(self) -> None:
         """A proposal starts: the time since the last one, over the tokens emitted since,
-        is what the run pays per token."""
+        is what the run pays per token; its arm is picked."""
         now = time.perf_counter()
         if self._since is not None and self._tokens:
             self.token_seconds = self._average(self.token_seconds, (now - self._since) / self._tokens)
         self._since, self._tokens = now, 0
+        self._proposal_started = now
+        self.arm = self.shallow.pick() if self.shallow is not None else None
 
-    def observe(self, drafted_accepted: int | None, emitted: int) -> None:
-        """A step: how many drafted tokens it accepted (None: the drafter proposed none)."""
-        if drafted_accepted is not None:
+    def observe(self, drafted_accepted: int | None, emitted: int, *, compiled: bool = False) -> None:
+        """A step: how many drafted tokens it accepted (None: the drafter proposed none);
+        ``compiled``: a graph was compiled in it (its time teaches the arms nothing)."""
+        if drafted_accepted is not None and not self.arm:  # what deep drafts reach, from the rule's steps
             self.accepted.append(drafted_accepted)
         self._tokens += emitted
+        if self._proposal_started is not None:
+            if self.shallow is not None and self.arm is not None and not compiled:
+                self.shallow.observe(self.arm, emitted, time.perf_counter() - self._proposal_started)
+            self._proposal_started = None
 
     def level_took(self, seconds: float) -> None:
         self.level_seconds = self._average(self.level_seconds, seconds)
@@ -194,7 +215,10 @@ class LevelEconomy:
         return sum(1 for a in self.accepted if a >= k) / len(self.accepted)
 
     def deepest(self, limit: int) -> int:
-        """How deep to draft, at most ``limit`` (all of it until the run has shown enough)."""
+        """How deep to draft, at most ``limit`` (all of it until the run has shown enough;
+        1 where the running proposal's arm is shallow)."""
+        if self.arm:
+            return min(limit, 1)
         if len(self.accepted) < self.STEPS // 4 or self.level_seconds is None or self.token_seconds is None:
             return limit
         depth = 1
@@ -380,7 +404,13 @@ class EagleDrafter(Drafter):
         self._proposing = False  # a proposal was asked for since the last step
         self._behind = False  # a step without a proposal committed pairs the layer has not seen
         self._catch_up_seconds = 0.0
-        self.economy = LevelEconomy()
+        self.economy = LevelEconomy(choose_depth=not self._fixed_trees and options.depth > 1)
+        self._compile_mark = self._compile_seconds()
+
+    def _compile_seconds(self) -> float:
+        """What compiling the target's graphs and the draft level has taken so far."""
+        compiled, level = self.runner.compiled, self.parts._level
+        return (compiled.compile_seconds if compiled is not None else 0.0) + (level.compile_seconds if level else 0.0)
 
     def prime(self, state, hidden: torch.Tensor | None) -> None:
         """hidden: [m, F], the prompt's last m positions before the root (each the
@@ -407,7 +437,9 @@ class EagleDrafter(Drafter):
             self._behind = True
         drafted = any(src == DRAFTER for src in tree.sources[1:])
         accepted = sum(1 for node in outcome.accepted if tree.sources[node] == DRAFTER)
-        self.economy.observe(accepted if drafted else None, len(outcome.emitted))
+        compiled = self._compile_seconds() != self._compile_mark
+        self._compile_mark = self._compile_seconds()
+        self.economy.observe(accepted if drafted else None, len(outcome.emitted), compiled=compiled)
         for node, token in zip([0, *outcome.accepted], outcome.emitted):
             self.pending_features.append(outcome.features[node])
             self.pending_tokens.append(token)
