@@ -7,6 +7,8 @@ import json
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from tokenswift import Pipeline
@@ -724,3 +726,34 @@ def test_a_proposal_after_plain_steps_drafts_what_one_after_every_step_does(tmp_
     common = sorted(set(proposals[False]) & set(proposals[True]))
     assert len(common) >= 3
     assert all(proposals[True][n] == proposals[False][n] for n in common)
+
+
+@settings(max_examples=12, deadline=None)
+@given(arms=st.lists(st.booleans(), min_size=1, max_size=12), greedy=st.booleans(), seed=st.integers(0, 3))
+def test_any_sequence_of_depth_arms_is_lossless(tmp_path_factory, arms, greedy, seed):
+    """Whatever each proposal's arm (depth 1 alone or the level rule; here a scripted
+    sequence, cycled, in place of the rate chooser), chosen trees emit what
+    autoregressive decoding does, greedy and sampled."""
+    from tokenswift.drafters import eagle
+
+    class Scripted:
+        def __init__(self, **_):
+            self.picks = iter(arms * 64)
+
+        def pick(self):
+            return next(self.picks)
+
+        def observe(self, *args, **kwargs):
+            pass
+
+    model = tiny_model_for("llama-gqa", "float64")
+    drafter = {"weights": decisive_net(model, tmp_path_factory.mktemp("arms")), "threshold": 0.0}
+    spec = {"preset": "eagle", "drafter": drafter, "sampling": {"greedy": greedy}}
+    original = eagle.RateChooser
+    eagle.RateChooser = Scripted
+    try:
+        pipe = Pipeline.from_spec(spec, model)
+        assert_lossless(pipe, [5, 9, 17, 3, 8, 5, 9], 30, seed=seed)
+        assert isinstance(pipe.drafter.economy.shallow, Scripted)
+    finally:
+        eagle.RateChooser = original

@@ -38,10 +38,10 @@ from tokenswift.drafters.draft_heads import WEIGHTS_NAME
 from tokenswift.drafters.feature_net import FeatureNet, find_shipped_drafter
 from tokenswift.drafters.head_based import coupled_rating
 from tokenswift.errors import SpecError
-from tokenswift.speculation import RateChooser
 from tokenswift.interfaces import Drafter
 from tokenswift.model.compiled import CompileUnavailable
 from tokenswift.model.linear import serve_linears_by_kernel
+from tokenswift.speculation import RateChooser
 from tokenswift.stats import model_time
 from tokenswift.tree import DRAFTER, Branch, SampledChildren
 from tokenswift.validation import boolean, int_at_least, integer, weights_source
