@@ -12,6 +12,9 @@ os.environ["TOKENSWIFT_CACHE"] = tempfile.mkdtemp(prefix="tokenswift-test-cache-
 # those that point TOKENSWIFT_CACHE at a folder of their own.
 os.environ.setdefault("TOKENSWIFT_KERNEL_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "tokenswift", "kernels"))
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Compiled graphs are compiled in each test, not loaded from the graph store that an
+# earlier test filled (tokenswift.model.graph_store); tests/test_graph_store.py turns it on.
+os.environ["TOKENSWIFT_GRAPH_STORE"] = "0"
 
 
 @pytest.fixture(autouse=True)

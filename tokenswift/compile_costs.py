@@ -35,6 +35,9 @@ DEFAULT_COLD_SECONDS = 90.0
 # ... and of graphs of a run of layers (tokenswift.model.compiled.LayeredForward),
 # which compile about a fifth of the decoder (~1 s warm, ~7 s cold there)
 DEFAULT_SECONDS = {"layered-tree": (1.5, 10.0)}
+# ... and what loading a graph from the graph store is taken to cost before it was timed
+# here (SmolLM2-135M's tree graph on a 2-core AMD EPYC Zen 4: 0.02-0.05 s)
+DEFAULT_STORED_SECONDS = 0.1
 
 
 def ledger_path() -> Path:
@@ -68,12 +71,13 @@ def _kind(name: str) -> str:
     return "layered" if name.startswith("layered-") else "whole"
 
 
-def record(key: str, seconds: float, warm: bool) -> None:
-    """Note that compiling graph ``key`` took ``seconds``, its cache ``warm`` or cold
+def record(key: str, seconds: float, warm: bool, *, stored: bool = False) -> None:
+    """Note that compiling graph ``key`` took ``seconds``, its cache ``warm`` or cold, or
+    that loading it from the graph store did (``stored``: :mod:`tokenswift.model.graph_store`)
     (written whole or not at all; a ledger that cannot be written is only said)."""
     data = _read()
     entry = data.get(key) if isinstance(data.get(key), dict) else {}
-    entry["warm" if warm else "cold"] = round(float(seconds), 2)
+    entry["stored" if stored else "warm" if warm else "cold"] = round(float(seconds), 2)
     data[key] = entry
     path = ledger_path()
     try:
@@ -85,8 +89,10 @@ def record(key: str, seconds: float, warm: bool) -> None:
         logger.warning("could not write the compile ledger %s (%s)", path, exc)
 
 
-def expected_seconds(key: str, *, seen: bool = False, cold_default: float | None = None) -> float:
-    """What compiling graph ``key`` is expected to take now: warm if it was compiled on
+def expected_seconds(key: str, *, seen: bool = False, cold_default: float | None = None, stored: bool = False) -> float:
+    """What compiling graph ``key`` is expected to take now: where it is in the graph
+    store (``stored``), what loading it took last (else :data:`DEFAULT_STORED_SECONDS`);
+    else warm if it was compiled on
     this machine before (the ledger has seen it, or ``seen``: a calibration compiled
     it), at its own warm time, else the median warm time of the graphs of its kind
     (of a run of layers, or of the whole decoder) measured warm, else
@@ -95,6 +101,9 @@ def expected_seconds(key: str, *, seen: bool = False, cold_default: float | None
     defaults' cold time."""
     data = _read()
     entry = data.get(key)
+    if stored:
+        loaded = entry.get("stored") if isinstance(entry, dict) else None
+        return float(loaded) if isinstance(loaded, (int, float)) else DEFAULT_STORED_SECONDS
     name = _graph_of(key)
     entries = [e for k, e in data.items() if isinstance(e, dict) and _kind(_graph_of(k)) == _kind(name)]
     default_warm, default_cold = DEFAULT_SECONDS.get(name, (DEFAULT_WARM_SECONDS, DEFAULT_COLD_SECONDS))

@@ -33,7 +33,7 @@ import attrs
 from tokenswift import compile_costs, distributed
 from tokenswift.calibrate_apart import record_from_child
 from tokenswift.machine import machine_name
-from tokenswift.model.compiled import CompiledForward, CompileUnavailable, compiler_problem, layered_problem
+from tokenswift.model.compiled import CompiledForward, CompileUnavailable, compiler_problem, layered_problem, stored_graph
 from tokenswift.records import CachedRecord, machine_key
 from tokenswift.timing import interleaved_ms, measured_contexts, one_token_step, tree_step
 
@@ -363,7 +363,8 @@ def decide(
         # and whose compile is a small share of them
         if missing and prices_trees and new_tokens < TRIAL_MAX_TOKENS:
             expected = tree_compile_seconds(runner, tuple(missing), calibration)
-            runner.tree_trial = TreeTrial(compile_seconds=expected, tokens=new_tokens)
+            if expected > TRIAL_COSTS_SECONDS:  # loading stored graphs costs less than the trial would
+                runner.tree_trial = TreeTrial(compile_seconds=expected, tokens=new_tokens)
     runner.use_compiled_trees(sizes)
     return CompileDecision(compiled=runner.compiled is not None, calibration=calibration)
 
@@ -377,6 +378,9 @@ def decide(
 TRIAL_STEPS = 12
 # ... and decides by this many steps of either kind, however few speculated
 TRIAL_MAX_STEPS = 96
+# ... unless compiling them is expected to cost no more than this (their graphs are in
+# the graph store: loaded in ~0.02-0.1 s), about what the trial's eager trees would cost
+TRIAL_COSTS_SECONDS = 0.25
 # Runs of this many new tokens or more compile their trees without a trial
 TRIAL_MAX_TOKENS = WHOLE_TREES_FROM_TOKENS
 
@@ -440,8 +444,9 @@ def _tree_compile_costs(runner, sizes: tuple[int, ...], calibration: CompileCali
 
     def expected(size: int) -> float:  # a size the calibration compiled is in inductor's cache
         seen = whole and calibration is not None and size in calibration.tree_sizes
-        graph = compile_costs.graph_key(machine, name, compiled.graph_tokens(name, size))
-        return compile_costs.expected_seconds(graph, seen=seen, cold_default=cold)
+        tokens = compiled.graph_tokens(name, size)
+        graph = compile_costs.graph_key(machine, name, tokens)
+        return compile_costs.expected_seconds(graph, seen=seen, cold_default=cold, stored=compiled.stored(name, tokens))
 
     return {size: 0.0 if compiled.has_tree_graph(size) else expected(size) for size in sorted(sizes)}
 
@@ -573,5 +578,7 @@ def one_token_compile_seconds(runner, graph: str = "forward") -> float:
     where it was measured in a process that had compiled already, and every run then
     compiled: a 12-token run spent 15 s of its 23 s compiling on a Sapphire Rapids.) The
     forward alone: the LM-head row's graph compiles in ~0.1 s, and with no entry of its
-    own the ledger would price it at the forward's median (~8 s), doubling the cost."""
-    return compile_costs.expected_seconds(compile_costs.graph_key(machine_key(runner), graph, 1), seen=True)
+    own the ledger would price it at the forward's median (~8 s), doubling the cost.
+    A graph in the graph store (:mod:`tokenswift.model.graph_store`) costs what loading it took."""
+    stored = stored_graph(runner.model, runner.logits_dtype, runner.kernel_linears, graph, 1)
+    return compile_costs.expected_seconds(compile_costs.graph_key(machine_key(runner), graph, 1), seen=True, stored=stored)

@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
+from tokenswift import kernels
 from tokenswift.model import compiled as compiled_forwards
+from tokenswift.model import graph_store
 from tokenswift.model.compiled import CompileUnavailable, first_compiled_call, own_code, use_inductor_cache
 
 logger = logging.getLogger(__name__)
@@ -40,6 +43,18 @@ LEVEL_ROWS = (2, 16)
 PADDED_ROWS = (1, 4, 8, 12, 16)
 
 
+def draft_logits(features: torch.Tensor, head: torch.Tensor, kernel_head: bool) -> torch.Tensor:
+    """features [n, H] float32 -> [n, V'] float32 logits over the draft vocabulary of
+    ``head`` ([V', H]: bfloat16 through the few-rows kernel where ``kernel_head``, else float32)."""
+    if kernel_head and len(features) <= kernels.MAX_LINEAR_ROWS:
+        return kernels.few_rows_linear(features.to(torch.bfloat16).contiguous(), head).float()
+    return features @ head.T.to(features.dtype)
+
+
+# The drafter's modules whose code a level's graph traces (beside graph_store.GRAPH_SOURCES)
+LEVEL_SOURCES = ("draft_graphs.py", "feature_net.py")
+
+
 class CompiledLevel:
     """``level(tokens, features, positions, keys, values, mask) -> (new keys, new values,
     outputs, logits)`` of the draft layer and head, compiled at its first call for every
@@ -47,22 +62,33 @@ class CompiledLevel:
     :class:`~tokenswift.model.compiled.CompileUnavailable` where torch.compile cannot
     run (at construction) or failed (at the first call of a size, and every call after)."""
 
-    def __init__(self, net: torch.nn.Module, embed: torch.nn.Module, head_logits: Callable[[torch.Tensor], torch.Tensor],
+    def __init__(self, net: torch.nn.Module, embed: torch.nn.Module, head: torch.Tensor, kernel_head: bool,
                  device: torch.device) -> None:
         problem = compiled_forwards.compiler_problem(device)  # looked up at call time: tests replace it
         if problem is not None:
             raise CompileUnavailable(problem)
         use_inductor_cache()
 
-        def level(tokens, features, positions, keys, values, mask):
+        def level(net, embed, head, tokens, features, positions, keys, values, mask):
             # tokens [R] long, features [R, H], positions [R], keys/values [1, kv, C, d],
-            # mask [R, C + R] -> new keys/values [1, kv, R, d], outputs [R, H], logits [R, V']
+            # mask [R, C + R] -> new keys/values [1, kv, R, d], outputs [R, H], logits [R, V'].
+            # The modules and the head are inputs, so that a stored graph (graph_store)
+            # runs on the process's own.
             new_keys, new_values, out = net.extend(
                 embed(tokens).to(torch.float32), features, positions, keys, values, mask
             )
-            return new_keys, new_values, out, head_logits(out)
+            return new_keys, new_values, out, draft_logits(out, head, kernel_head)
 
         self._level = level
+        self._inputs = (net, embed, head)
+        # where the graph store is on: the level's graphs are stored under the identity
+        # of the draft layer, the target's embedding and the head as this level uses them
+        self.store_identity = graph_store.graph_identity(
+            torch.nn.ModuleDict({"net": net, "embed": embed}),
+            options={"head": (tuple(head.shape), str(head.dtype)), "kernel_head": bool(kernel_head),
+                     "level_rows": LEVEL_ROWS, "cpp_wrapper": device.type == "cpu",
+                     "sources": [graph_store.file_digest(Path(__file__).parent / name) for name in LEVEL_SOURCES]},
+        ) if graph_store.enabled() else None
         # (rows, columns of the layer's cache) -> graph; rows 0: every row count of
         # LEVEL_ROWS. The drafters of one model share this object, and a drafter's cache
         # size follows its options (window, depth, width): keyed by rows alone, a second
@@ -97,21 +123,30 @@ class CompiledLevel:
     def __call__(self, tokens, features, positions, keys, values, mask):
         rows, columns = tokens.shape[0], keys.shape[2]
         key = (0 if self.one_graph else rows, columns)
+        args = (*self._inputs, tokens, features, positions, keys, values, mask)
         graph = self._graphs.get(key)
         if graph is not None:
-            return graph(tokens, features, positions, keys, values, mask)
+            return graph(*args)
         if self.failure is not None:
             raise self.failure
         # a copy: torch.compile pops "guard_filter_fn" out of its options, and the graphs
         # of the other row counts then checked every module's guards at each call
-        graph = torch.compile(own_code(self._level), dynamic=False, fullgraph=True, options=dict(self._options))
-        if self.one_graph:  # this call traces: its row count stands for every one of LEVEL_ROWS
+        options = dict(self._options)
+        if self.store_identity is not None:
+            options["guard_filter_fn"] = compiled_forwards.serializable_guards(options["guard_filter_fn"])
+        graph = torch.compile(own_code(self._level), dynamic=False, fullgraph=True, options=options)
+        if self.store_identity is not None:  # loaded now where a process before stored it
+            graph = graph_store.StoredGraph(graph, graph_store.graph_path(self.store_identity, f"level-{columns}", key[0]))
+            graph.load()
+        if self.one_graph and not getattr(graph, "loaded", False):  # this call traces: its row count stands for every one of LEVEL_ROWS
             least, most = LEVEL_ROWS
             for tensor in (tokens, features, positions, mask):
                 torch._dynamo.mark_dynamic(tensor, 0, min=least, max=most)
             torch._dynamo.mark_dynamic(mask, 1, min=columns + least, max=columns + most)
         try:
-            out, seconds = first_compiled_call(graph, (tokens, features, positions, keys, values, mask), " of the draft level")
+            out, seconds = first_compiled_call(graph, args, " of the draft level")
+        except graph_store.RefusedGraph:  # made again, compiled this time
+            return self(tokens, features, positions, keys, values, mask)
         except CompileUnavailable as exc:
             if self.one_graph:
                 logger.warning("the draft level compiles a graph per row count: %s", exc)
@@ -121,5 +156,6 @@ class CompiledLevel:
             raise
         self.compile_seconds += seconds
         self._graphs[key] = graph
-        logger.info("compiled the draft level of %s rows in %.1f s", "%d-%d" % LEVEL_ROWS if self.one_graph else rows, seconds)
+        logger.info("%s the draft level of %s rows in %.2f s", "loaded" if getattr(graph, "loaded", False) else "compiled",
+                    "%d-%d" % LEVEL_ROWS if self.one_graph else rows, seconds)
         return out

@@ -32,8 +32,7 @@ from pathlib import Path
 import attrs
 import torch
 
-from tokenswift import kernels
-from tokenswift.drafters.draft_graphs import CompiledLevel
+from tokenswift.drafters.draft_graphs import CompiledLevel, draft_logits
 from tokenswift.drafters.draft_heads import WEIGHTS_NAME
 from tokenswift.drafters.feature_net import FeatureNet, find_shipped_drafter
 from tokenswift.drafters.head_based import coupled_rating
@@ -265,9 +264,7 @@ class _DraftParts:
 
         def head_logits(features: torch.Tensor) -> torch.Tensor:
             """features [n, H] float32 -> [n, V'] float32 logits over the draft vocabulary."""
-            if kernel_head and len(features) <= kernels.MAX_LINEAR_ROWS:
-                return kernels.few_rows_linear(features.to(torch.bfloat16).contiguous(), head).float()
-            return features @ head.T.to(features.dtype)
+            return draft_logits(features, head, kernel_head)
 
         self.head_logits = head_logits
         self.device = runner.device
@@ -281,7 +278,7 @@ class _DraftParts:
             return None
         if self._level is None:
             try:
-                self._level = CompiledLevel(self.net, self.embed, self.head_logits, self.device)
+                self._level = CompiledLevel(self.net, self.embed, self.head, self.kernel_head, self.device)
             except CompileUnavailable as exc:
                 return self._eager_from_now(exc)
         if self._level.failure is not None:

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from tokenswift import compile_costs
+from tokenswift.model import graph_store
 from tokenswift.model.attention import layers_from
 from tokenswift.model.linear import KernelLinears, linear_arguments
 from tokenswift.model.plan import EXTERNAL_KV_KWARG
@@ -152,6 +153,23 @@ def layered_problem(model: torch.nn.Module, decoder: torch.nn.Module) -> str | N
     return None
 
 
+def serializable_guards(guard_filter):
+    """``guard_filter`` less the guards a stored graph cannot keep: those
+    :data:`CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES` names, and those on
+    module globals (checked against the globals of the process that traced it, where
+    Dynamo had added entries a later process lacks; the graph store's identity covers
+    the code those globals belong to instead)."""
+    from torch._dynamo.guards import CheckFunctionManager
+
+    unsupported = CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
+
+    def serializable(entries) -> list[bool]:
+        keep = guard_filter(entries)
+        return [kept and not entry.is_global and entry.guard_type not in unsupported for entry, kept in zip(entries, keep)]
+
+    return serializable
+
+
 def _skip_module_and_global_guards(entries) -> list[bool]:
     """The guard filter of a run-of-layers graph: no guards on the model's modules (as
     every graph here) nor on module globals (~300 checks of the kernels' and
@@ -191,7 +209,8 @@ class LayeredForward:
         # (least, most) new tokens one graph serves (traced with the token count
         # symbolic), or None: the graph is of the count it was first called with
         self.tokens = tokens
-        self._traced = tokens is None
+        # a graph loaded from the store was traced by the process that stored it
+        self._traced = tokens is None or getattr(graph, "loaded", False)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # input_ids, positions: [1, n] long -> [n, hidden_size] final-norm hidden states
@@ -207,6 +226,24 @@ class LayeredForward:
                 hidden = self.graph(layers, hidden, cos, sin, positions)
         self._traced = True
         return decoder.norm(hidden)[0]
+
+
+def store_identity(model: torch.nn.Module, logits_dtype: torch.dtype, kernel_linears: bool) -> str | None:
+    """The graph store's name for the graphs :class:`CompiledForward` compiles of
+    ``model`` so (None: the store is off)."""
+    if not graph_store.enabled():
+        return None
+    device = next(model.parameters()).device
+    options = {"kernel_linears": bool(kernel_linears), "one_row": device.type == "cpu", "cpp_wrapper": device.type == "cpu",
+               "logits_dtype": str(logits_dtype), "tree_tokens": TREE_TOKENS, "layer_runs": LAYER_RUNS}
+    return graph_store.graph_identity(model, options=options)
+
+
+def stored_graph(model: torch.nn.Module, logits_dtype: torch.dtype, kernel_linears: bool, name: str, tokens: int) -> bool:
+    """Graph ``name`` of ``tokens`` new tokens (:meth:`CompiledForward.graph_tokens`) of
+    ``model`` is in the graph store: a process loads it in milliseconds."""
+    identity = store_identity(model, logits_dtype, kernel_linears)
+    return identity is not None and graph_store.graph_path(identity, name, tokens).exists()
 
 
 class CompiledForward:
@@ -234,9 +271,11 @@ class CompiledForward:
                 return KernelLinears()
             return OneRowProducts() if one_row else contextlib.nullcontext()
 
-        def forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        def forward(decoder, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
             # input_ids, positions: [1, n] long -> [n, hidden_size] final-norm hidden states
-            # (one graph per n: one token, or a padded tree size)
+            # (one graph per n: one token, or a padded tree size). The modules of every
+            # graph are its inputs, not closed over, so that a stored graph
+            # (graph_store) is called with the modules of the process that loads it.
             with products():
                 out = decoder(
                     input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=False,
@@ -255,7 +294,16 @@ class CompiledForward:
                     hidden = out[0] if isinstance(out, tuple) else out
             return hidden
 
-        def logits(hidden: torch.Tensor) -> torch.Tensor:
+        def stack(embed, rotary, norm, layers, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            # the decoder's forward as LayeredForward computes it, all in one graph: the
+            # whole decoder's graph where the layers allow (layered_problem), whose
+            # modules are all inputs (the model's own forward guards the key order of its
+            # layers' dict, which a stored graph cannot rebuild in a later process)
+            hidden = embed(input_ids)  # [1, n, hidden_size]
+            cos, sin = rotary(hidden, positions)
+            return norm(run_of_layers(layers, hidden, cos, sin, positions))[0]
+
+        def logits(lm_head, hidden: torch.Tensor) -> torch.Tensor:
             # hidden: [1, hidden_size] -> [1, vocab] in logits_dtype
             with products():
                 return lm_head(hidden).to(logits_dtype)
@@ -271,18 +319,28 @@ class CompiledForward:
         # a copy each time: torch.compile pops "guard_filter_fn" out of the options it is
         # given, so a second graph compiled from the same dict checked every module's
         # guards (5,000 of them: 1.2 ms a call for the tree graphs, a 2-core AMD EPYC Zen 4)
-        self._compile = lambda fn, guards=options["guard_filter_fn"]: torch.compile(
-            own_code(fn), dynamic=False, fullgraph=True, options={**options, "guard_filter_fn": guards}
-        )
-        self._forward = forward
+        # Graphs are stored on disk once compiled and loaded by later processes
+        # (tokenswift.model.graph_store), where the store is on; a stored graph keeps
+        # no guard that cannot be serialized (on the identity of this object's own
+        # closures and functions, which its identity covers instead).
+        self.store_identity = store_identity(model, logits_dtype, kernel_linears) if layered_problem(model, decoder) is None else None
+
+        def compile_fn(fn, guards=options["guard_filter_fn"]):
+            if self.store_identity is not None:
+                guards = serializable_guards(guards)
+            return torch.compile(own_code(fn), dynamic=False, fullgraph=True, options={**options, "guard_filter_fn": guards})
+
+        self._compile = compile_fn
+        self.layered_problem = layered_problem(model, decoder)
+        self._forward = forward if self.layered_problem is not None else stack
         self._run_of_layers = run_of_layers
         self._decoder = decoder
+        self._lm_head = lm_head
         # Graphs of a run of layers where the decoder allows (LayeredForward): on a
         # 2-core AMD EPYC Zen 4, SmolLM2's tree graphs compiled in ~1 s with inductor's
         # cache warm and ~7-8 s cold, against ~5 s and ~85-94 s for the whole decoder's,
         # and ran 0.7-1.0 ms (~5%) slower (4- and 8-token trees at 2K positions, in turns:
         # Dynamo's prologue and wrapper, ~170 us at each of a forward's five calls).
-        self.layered_problem = layered_problem(model, decoder)
         # Whether tree forwards, and one-token forwards, run through graphs of a run of
         # layers (where the decoder allows) or of the whole decoder: the run decides
         # (tokenswift.compiling.decide).
@@ -292,8 +350,8 @@ class CompiledForward:
         # size (where tracing with the token count symbolic failed: said once)
         self.one_tree_graph = True
         self._graphs = {
-            "forward": self._compile(forward),
-            "logits": self._compile(logits),
+            "forward": self._stored(self._compile(self._forward), "forward", 1),
+            "logits": self._stored(self._compile(logits), "logits", 1),
         }
         # Trees: the same forward, one code object per padded size (made at its first
         # call), each holding one graph: no recompile limit to raise, and a call's cache
@@ -347,9 +405,31 @@ class CompiledForward:
         """A forward of ``tokens`` new tokens (:data:`ANY_SIZE`: of every tree size): a
         run of layers' graph over every run, or the whole decoder's."""
         if name.startswith("layered-"):
-            graph = self._compile(self._run_of_layers, _skip_module_and_global_guards)
+            graph = self._stored(self._compile(self._run_of_layers, _skip_module_and_global_guards), name, tokens)
             return LayeredForward(self._decoder, graph, TREE_TOKENS if tokens == ANY_SIZE else None)
-        return self._compile(self._forward)
+        return self._stored(self._compile(self._forward), name, tokens)
+
+    def _stored(self, compiled, name: str, tokens: int):
+        """``compiled`` as a graph of the store (loaded now where stored), or as it is where the store is off."""
+        if self.store_identity is None:
+            return compiled
+        graph = graph_store.StoredGraph(compiled, graph_store.graph_path(self.store_identity, name, tokens))
+        graph.load()
+        return graph
+
+    def _modules_of(self, name: str) -> tuple:
+        """The modules graph ``name`` (not of a run of layers) takes before its tensors."""
+        if name == "logits":
+            return (self._lm_head,)
+        decoder = self._decoder
+        if self._forward.__name__.startswith("stack"):
+            return (decoder.embed_tokens, decoder.rotary_emb, decoder.norm, tuple(decoder.layers))
+        return (decoder,)
+
+    def stored(self, name: str, tokens: int) -> bool:
+        """Graph ``name`` of ``tokens`` new tokens (:meth:`graph_tokens`) is in the store
+        (or was loaded from it in this process)."""
+        return self.store_identity is not None and graph_store.graph_path(self.store_identity, name, tokens).exists()
 
     def graph_tokens(self, name: str, tokens: int) -> int:
         """The size under which graph ``name``'s forward of ``tokens`` new tokens is
@@ -380,11 +460,17 @@ class CompiledForward:
         graph = self._graphs.get(name) or self._sized_graphs.get(key)
         if graph is None:  # a tree size, or a run of layers' one-token forward
             graph = self._sized_graphs[key] = self._sized_graph(name, key[1])
+        tensors = args
+        if not name.startswith("layered-"):  # the whole decoder's graphs and the head's take their modules first
+            args = (*self._modules_of(name), *args)
         if key in self._ready:
             return graph(*args)
         if self.failure is not None:
             raise self.failure
-        if not self._ready:  # said once: the wait is the first step's
+        stored = bool(getattr(graph, "loaded", False) or getattr(getattr(graph, "graph", None), "loaded", False))
+        if stored:
+            pass  # loaded from the store: milliseconds, said below
+        elif not self._ready:  # said once: the wait is the first step's
             logger.warning("compiling the one-token forward (once per process: seconds with inductor's cache warm, "
                            "up to ~2 minutes cold on a small CPU)")
         elif key[1] == ANY_SIZE:
@@ -394,12 +480,15 @@ class CompiledForward:
         hits, misses = compile_costs.cache_counts()
         try:
             out, seconds = first_compiled_call(graph, args)
+        except graph_store.RefusedGraph:  # made again, compiled this time
+            self._sized_graphs.pop(key, None)
+            return self._call(name, *tensors)
         except CompileUnavailable as exc:
             if key[1] == ANY_SIZE:  # a graph per size instead
                 logger.warning("tree forwards compile a graph per size: %s", exc)
                 self.one_tree_graph = False
                 del self._sized_graphs[key]
-                return self._call(name, *args)
+                return self._call(name, *tensors)
             self.failure = exc
             raise
         self.compile_seconds += seconds
@@ -408,10 +497,11 @@ class CompiledForward:
         if self.ledger_machine is not None:
             now_hits, now_misses = compile_costs.cache_counts()
             warm = now_hits > hits and now_misses == misses
-            compile_costs.record(compile_costs.graph_key(self.ledger_machine, name, key[1]), seconds, warm)
+            compile_costs.record(compile_costs.graph_key(self.ledger_machine, name, key[1]), seconds, warm,
+                                 stored=stored)
         what = f"{TREE_TOKENS[0]}-{TREE_TOKENS[1]}-token tree forward" if key[1] == ANY_SIZE else (
             f"{key[1]}-token {'forward' if key[1] > 1 else name}")
-        logger.info("compiled the %s in %.1f s", what, seconds)
+        logger.info("%s the %s in %.2f s", "loaded the stored graph of" if stored else "compiled", what, seconds)
         return out
 
 
@@ -432,6 +522,8 @@ def first_compiled_call(graph, args: tuple, what: str = "") -> tuple[object, flo
     started = time.perf_counter()
     try:
         out = graph(*args)
+    except graph_store.RefusedGraph:  # the caller makes it again
+        raise
     except Exception as exc:  # inductor fails in many ways; each means "no compiled path here"
         first_line = str(exc).splitlines()[0] if str(exc) else ""
         raise CompileUnavailable(f"torch.compile{what} failed: {type(exc).__name__}: {first_line}") from exc
