@@ -203,7 +203,7 @@ def test_stored_graphs_are_priced_at_their_load_time_and_their_trees_need_no_tri
     tree graphs are all stored loads them at once, without verifying trees eagerly on
     trial first."""
     model = model_of(seed=28)
-    runner = Runner(model)
+    runner = Runner(copy.deepcopy(model))  # a later process's model, never compiled before it prices
     machine = compiling.machine_key(runner)
     assert compiling.one_token_compile_seconds(runner) == compile_costs.expected_seconds(
         compile_costs.graph_key(machine, "forward", 1), seen=True)

@@ -13,7 +13,7 @@ loads the file (~20 ms) and calls it without tracing anything. The model's weigh
 inputs of every graph (read from the live modules at each call), so a stored graph
 serves any checkpoint of the same architecture; what a graph bakes in is in its
 :func:`graph_identity`: the model's config (less what only buffers carry: the RoPE
-factor and base), every parameter's and buffer's shape and dtype, the device, torch and transformers, the
+factor and base), every parameter's shape and dtype, the device, torch and transformers, the
 model's transformers source, tokenswift's own graph code, and the CPU's feature flags.
 Anything else means another directory, hence a compile, never a wrong graph; a file
 that fails to load (another torch, a truncated write) is compiled again and replaced.
@@ -112,11 +112,12 @@ def graph_identity(model: torch.nn.Module, *, options: dict) -> str:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "model": _config_identity(model),
-        # every parameter's and buffer's name, shape and dtype: what a graph of the
-        # model's modules (inputs whose guards are skipped) assumes of them
-        "tensors": hashlib.sha256(repr([
-            (name, tuple(tensor.shape), str(tensor.dtype))
-            for name, tensor in (*model.named_parameters(), *model.named_buffers())
+        # every parameter's name, shape and dtype: what a graph of the model's modules
+        # (inputs whose guards are skipped) assumes of them (the buffers, the rotary
+        # tables, follow the config; tokenswift.model.compiled.rope_scaling_as_input
+        # adds one as it compiles, which must not change the identity)
+        "parameters": hashlib.sha256(repr([
+            (name, tuple(tensor.shape), str(tensor.dtype)) for name, tensor in model.named_parameters()
         ]).encode()).hexdigest()[:16],
         "model_source": file_digest(inspect.getsourcefile(type(model))),
         "dtype": str(parameter.dtype),
