@@ -123,9 +123,9 @@ def test_runs_through_stored_graphs_are_lossless(store, preset, sampling):
 
 def test_what_a_graph_bakes_in_stores_it_apart_and_a_new_rope_factor_does_not(store):
     """The dtype, the model's shape and the products' kind each make a graph of their
-    own; a RoPE factor, which only buffers carry, does not (a 16K prompt at a factor not
-    seen before loads the graphs of the last one); a RoPE type that recomputes its
-    frequencies from the length in the forward keeps its factor in the identity."""
+    own; a RoPE type and factor, which only buffers carry, do not (a 16K prompt with
+    YaRN at a factor not seen before loads the graphs stored without it); a RoPE type
+    that recomputes its frequencies from the length in the forward keeps its factor."""
     def identity(model, kernel_linears=False):
         return compiled_module.store_identity(model, torch.float32, kernel_linears)
 
@@ -143,8 +143,7 @@ def test_what_a_graph_bakes_in_stores_it_apart_and_a_new_rope_factor_does_not(st
         return model
 
     yarn = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64}
-    assert identity(with_rope(yarn)) == identity(with_rope({**yarn, "factor": 4.0}))
-    assert identity(with_rope(yarn)) != identity(base)  # another RoPE type traces other code
+    assert identity(with_rope(yarn)) == identity(with_rope({**yarn, "factor": 4.0})) == identity(base)
     dynamic = {"rope_type": "dynamic", "factor": 2.0}
     assert identity(with_rope(dynamic)) != identity(with_rope({**dynamic, "factor": 4.0}))
 
@@ -225,3 +224,23 @@ def test_stored_graphs_are_priced_at_their_load_time_and_their_trees_need_no_tri
     compiling.decide(runner, "auto", prompt_tokens=24, new_tokens=2000, prices_trees=True)
     assert runner.tree_trial is not None
 
+
+
+def test_graphs_stored_without_rope_scaling_compute_a_yarn_models_forwards(store):
+    """The graphs stored for a model without RoPE scaling, loaded for the same weights
+    with YaRN at a factor never seen: the forwards are the YaRN model's (its rotary
+    tables and attention scaling are the graphs' inputs), not the unscaled model's."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    plain = model_of(seed=30)
+    plain_rows, _ = forwards(plain)
+    config = AutoConfig.for_model(**{**TINY_CONFIGS["llama-gqa"], "max_position_embeddings": 2048,
+                                     "rope_scaling": {"rope_type": "yarn", "factor": 3.3, "original_max_position_embeddings": 16}})
+    yarn = AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
+    yarn.load_state_dict(plain.state_dict(), strict=False)
+    later_process()
+    rows, runner = forwards(yarn)
+    assert all(stored_graphs(runner).values())
+    eager_rows, _ = forwards(yarn, compiled=False)
+    torch.testing.assert_close(rows, eager_rows, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(rows, plain_rows, rtol=1e-3, atol=1e-3)

@@ -72,14 +72,18 @@ def _rope_type(config) -> str:
 
 
 def _config_identity(model: torch.nn.Module) -> dict:
+    """The config fields a graph of ``model`` may bake in. The RoPE type and factor only
+    where the type recomputes its frequencies from the length in the forward: every
+    other type's rotary embedding runs the same code over its buffers (a 16K prompt with
+    YaRN at a factor not seen before loads the graphs stored without it)."""
     config = getattr(model, "config", None)
     if config is None:
         return {"class": type(model).__qualname__}
     fields = config.to_dict()
     rope = _rope_type(config)
-    if not any(kind in rope for kind in LENGTH_DEPENDENT_ROPE):
-        fields = {k: v for k, v in fields.items() if k not in UNTRACED_CONFIG_FIELDS}
-    return {"rope_type": rope, **fields}
+    if any(kind in rope for kind in LENGTH_DEPENDENT_ROPE):
+        return {"rope_type": rope, **fields}
+    return {k: v for k, v in fields.items() if k not in UNTRACED_CONFIG_FIELDS}
 
 
 def file_digest(path: str | Path | None) -> str:
