@@ -244,3 +244,15 @@ def test_graphs_stored_without_rope_scaling_compute_a_yarn_models_forwards(store
     eager_rows, _ = forwards(yarn, compiled=False)
     torch.testing.assert_close(rows, eager_rows, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(rows, plain_rows, rtol=1e-3, atol=1e-3)
+
+
+def test_calibrate_stores_the_graphs_every_later_run_loads(store, model_dir, capsys):
+    """`tokenswift calibrate --compile` stores the graphs it compiles and says where."""
+    from tokenswift.cli import main
+
+    code = main(["calibrate", "--model", str(model_dir), "--dtype", "float32", "--compile"])
+    _, err = capsys.readouterr()
+    assert code == 0, err
+    (directory,) = store.iterdir()
+    assert {"forward-1", "layered-forward-1", "logits-1", "layered-tree-0"} <= {path.stem for path in directory.glob("*.bin")}
+    assert f"compiled graphs stored in {directory}" in err
