@@ -101,8 +101,13 @@ def test_a_later_process_loads_the_stored_graphs_and_computes_with_its_own_weigh
     assert not torch.allclose(other_rows, first_rows, rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("preset", ["tokenswift", "eagle"])
-@pytest.mark.parametrize("sampling", [{"greedy": True}, {"temperature": 0.8, "top_p": 0.9}])
+GREEDY, SAMPLED = {"greedy": True}, {"temperature": 0.8, "top_p": 0.9}
+
+
+@pytest.mark.parametrize(("preset", "sampling"), [
+    ("tokenswift", GREEDY), ("eagle", SAMPLED),
+    pytest.param("tokenswift", SAMPLED, marks=pytest.mark.slow), pytest.param("eagle", GREEDY, marks=pytest.mark.slow),
+])
 def test_runs_through_stored_graphs_are_lossless(store, preset, sampling):
     """A run in a later process, its forwards through loaded graphs: the target's tokens,
     greedy and sampled, as in the process that stored them."""
