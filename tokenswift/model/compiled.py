@@ -209,15 +209,16 @@ class LayeredForward:
         # (least, most) new tokens one graph serves (traced with the token count
         # symbolic), or None: the graph is of the count it was first called with
         self.tokens = tokens
-        # a graph loaded from the store was traced by the process that stored it
-        self._traced = tokens is None or getattr(graph, "loaded", False)
+        self._traced = tokens is None
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # input_ids, positions: [1, n] long -> [n, hidden_size] final-norm hidden states
         decoder = self.decoder
         hidden = decoder.embed_tokens(input_ids)  # [1, n, hidden_size]
         cos, sin = decoder.rotary_emb(hidden, positions)
-        if not self._traced:  # the first call traces: its token count stands for every one in range
+        # the first call traces: its token count stands for every one in range (unless the
+        # graph loads from the store, traced by the process that stored it)
+        if not self._traced and not (hasattr(self.graph, "load") and self.graph.load()):
             least, most = self.tokens
             for tensor in (hidden, cos, sin, positions):
                 torch._dynamo.mark_dynamic(tensor, 1, min=least, max=most)
@@ -410,12 +411,11 @@ class CompiledForward:
         return self._stored(self._compile(self._forward), name, tokens)
 
     def _stored(self, compiled, name: str, tokens: int):
-        """``compiled`` as a graph of the store (loaded now where stored), or as it is where the store is off."""
+        """``compiled`` as a graph of the store (loaded at its first call, inside the
+        compile time a run counts, where stored), or as it is where the store is off."""
         if self.store_identity is None:
             return compiled
-        graph = graph_store.StoredGraph(compiled, graph_store.graph_path(self.store_identity, name, tokens))
-        graph.load()
-        return graph
+        return graph_store.StoredGraph(compiled, graph_store.graph_path(self.store_identity, name, tokens))
 
     def _modules_of(self, name: str) -> tuple:
         """The modules graph ``name`` (not of a run of layers) takes before its tensors."""
@@ -467,9 +467,9 @@ class CompiledForward:
             return graph(*args)
         if self.failure is not None:
             raise self.failure
-        stored = bool(getattr(graph, "loaded", False) or getattr(getattr(graph, "graph", None), "loaded", False))
+        stored = bool(getattr(graph, "on_disk", False) or getattr(getattr(graph, "graph", None), "on_disk", False))
         if stored:
-            pass  # loaded from the store: milliseconds, said below
+            pass  # loaded from the store at this call, said below
         elif not self._ready:  # said once: the wait is the first step's
             logger.warning("compiling the one-token forward (once per process: seconds with inductor's cache warm, "
                            "up to ~2 minutes cold on a small CPU)")
@@ -494,6 +494,8 @@ class CompiledForward:
         self.compile_seconds += seconds
         self.graph_seconds[key] = seconds
         self._ready.add(key)
+        # loaded, as it was on disk (a file that did not load was compiled after all)
+        stored = bool(getattr(graph, "loaded", False) or getattr(getattr(graph, "graph", None), "loaded", False))
         if self.ledger_machine is not None:
             now_hits, now_misses = compile_costs.cache_counts()
             warm = now_hits > hits and now_misses == misses

@@ -164,12 +164,23 @@ class StoredGraph:
         self.loaded = False  # fn came from the store
         self._checked = False  # a loaded fn's guards were checked at its first call
 
+    @property
+    def on_disk(self) -> bool:
+        """Loaded, or stored for this process to load at the first call."""
+        return self.loaded or (self.fn is None and self.path.exists())
+
     def load(self) -> bool:
         """Load the stored graph, if any (True: loaded). A file that does not load is removed."""
         if self.fn is not None or not self.path.exists():
             return self.loaded
+        import torch._inductor.config  # imported by every compile already; not by eager runs
+
         try:
-            with self.path.open("rb") as file:
+            # The graph's kernels were built and loaded on this machine when it was
+            # stored: inductor's probes of which vector ISAs build and load (six
+            # subprocesses, ~1.5 s of a process's first load on a 2-core Zen 4) are
+            # skipped; the CPU's own flags still choose the ISA.
+            with self.path.open("rb") as file, torch._inductor.config.patch({"cpp.vec_isa_ok": True}):
                 self.fn = torch.compiler.load_compiled_function(file, external_data=self.external)
         except Exception as exc:  # another torch, a truncated file, ...: compile it again
             logger.warning("the stored graph %s did not load (%s: %s); compiling it again",
