@@ -33,7 +33,10 @@ import attrs
 from tokenswift import compile_costs, distributed
 from tokenswift.calibrate_apart import record_from_child
 from tokenswift.machine import machine_name
-from tokenswift.model.compiled import CompiledForward, CompileUnavailable, compiler_problem, layered_problem, stored_graph
+from tokenswift.model import graph_store
+from tokenswift.model.compiled import (
+    STORE_IMPORTS, CompiledForward, CompileUnavailable, compiler_problem, layered_problem, stored_graph,
+)
 from tokenswift.records import CachedRecord, machine_key
 from tokenswift.timing import interleaved_ms, measured_contexts, one_token_step, tree_step
 
@@ -581,4 +584,8 @@ def one_token_compile_seconds(runner, graph: str = "forward") -> float:
     own the ledger would price it at the forward's median (~8 s), doubling the cost.
     A graph in the graph store (:mod:`tokenswift.model.graph_store`) costs what loading it took."""
     stored = stored_graph(runner.model, runner.logits_dtype, runner.kernel_linears, graph, 1)
-    return compile_costs.expected_seconds(compile_costs.graph_key(machine_key(runner), graph, 1), seen=True, stored=stored)
+    machine = machine_key(runner)
+    seconds = compile_costs.expected_seconds(compile_costs.graph_key(machine, graph, 1), seen=True, stored=stored)
+    if stored and not graph_store.prepared():  # and the imports loading needs, once a process
+        seconds += compile_costs.expected_seconds(compile_costs.graph_key(machine, STORE_IMPORTS, 0), stored=True)
+    return seconds

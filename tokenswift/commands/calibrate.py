@@ -96,7 +96,7 @@ def show_compile(runner, *, refresh: bool) -> None:
     stored = sorted(graph_path(identity, "x", 0).parent.glob("*.bin")) if identity is not None else []
     if stored:
         print(f"compiled graphs stored in {stored[0].parent} ({', '.join(path.stem for path in stored)}): "
-              "later runs load them in ~0.1 s", file=sys.stderr)
+              "later runs load them in seconds, not compile them", file=sys.stderr)
 
 
 def measure_for_run(what: str, spec_json: str, threads: str) -> int:
