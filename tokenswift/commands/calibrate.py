@@ -64,7 +64,7 @@ def show_compile(runner, *, refresh: bool) -> None:
     """Compiled vs eager one-token steps (measured again unless only shown)."""
     from tokenswift.compiling import CompileCalibration, load_compile_calibration, measure_compile
     from tokenswift.model.compiled import CompileUnavailable, store_identity
-    from tokenswift.model.graph_store import graph_path
+    from tokenswift.model.graph_store import identity_dir
 
     try:
         if refresh:
@@ -93,7 +93,7 @@ def show_compile(runner, *, refresh: bool) -> None:
         file=sys.stderr,
     )
     identity = store_identity(runner.model, runner.logits_dtype, runner.kernel_linears)
-    stored = sorted(graph_path(identity, "x", 0).parent.glob("*.bin")) if identity is not None else []
+    stored = sorted(identity_dir(identity).glob("*.bin")) if identity is not None else []
     if stored:
         print(f"compiled graphs stored in {stored[0].parent} ({', '.join(path.stem for path in stored)}): "
               "later runs load them in seconds, not compile them", file=sys.stderr)

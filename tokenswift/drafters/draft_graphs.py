@@ -20,6 +20,7 @@ in another order) never changes what a run emits.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -137,7 +138,9 @@ class CompiledLevel:
         graph = torch.compile(own_code(self._level), dynamic=False, fullgraph=True, options=options)
         if self.store_identity is not None:  # loaded now where a process before stored it
             graph = graph_store.StoredGraph(graph, graph_store.graph_path(self.store_identity, f"level-{columns}", key[0]))
-            graph.load()  # before the first call's timing (the level's compile seconds are its own)
+            started = time.perf_counter()  # loaded before the first call (which traces unless it loads): counted too
+            graph.load()
+            self.compile_seconds += time.perf_counter() - started
         if self.one_graph and not getattr(graph, "loaded", False):  # this call traces: its row count stands for every one of LEVEL_ROWS
             least, most = LEVEL_ROWS
             for tensor in (tokens, features, positions, mask):

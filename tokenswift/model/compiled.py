@@ -327,7 +327,8 @@ class CompiledForward:
         # (tokenswift.model.graph_store), where the store is on; a stored graph keeps
         # no guard that cannot be serialized (on the identity of this object's own
         # closures and functions, which its identity covers instead).
-        self.store_identity = store_identity(model, logits_dtype, kernel_linears) if layered_problem(model, decoder) is None else None
+        self.layered_problem = layered_problem(model, decoder)
+        self.store_identity = store_identity(model, logits_dtype, kernel_linears) if self.layered_problem is None else None
 
         def compile_fn(fn, guards=options["guard_filter_fn"]):
             if self.store_identity is not None:
@@ -335,11 +336,15 @@ class CompiledForward:
             return torch.compile(own_code(fn), dynamic=False, fullgraph=True, options={**options, "guard_filter_fn": guards})
 
         self._compile = compile_fn
-        self.layered_problem = layered_problem(model, decoder)
         self._forward = forward if self.layered_problem is not None else stack
         self._run_of_layers = run_of_layers
         self._decoder = decoder
-        self._lm_head = lm_head
+        # the modules the whole decoder's graphs and the head's take before their tensors
+        self._decoder_modules = (
+            (decoder,) if self.layered_problem is not None
+            else (decoder.embed_tokens, decoder.rotary_emb, decoder.norm, tuple(decoder.layers))
+        )
+        self._head_modules = (lm_head,)
         # Graphs of a run of layers where the decoder allows (LayeredForward): on a
         # 2-core AMD EPYC Zen 4, SmolLM2's tree graphs compiled in ~1 s with inductor's
         # cache warm and ~7-8 s cold, against ~5 s and ~85-94 s for the whole decoder's,
@@ -429,15 +434,6 @@ class CompiledForward:
         if seconds > 0 and self.ledger_machine is not None:
             compile_costs.record(compile_costs.graph_key(self.ledger_machine, STORE_IMPORTS, 0), seconds, True, stored=True)
 
-    def _modules_of(self, name: str) -> tuple:
-        """The modules graph ``name`` (not of a run of layers) takes before its tensors."""
-        if name == "logits":
-            return (self._lm_head,)
-        decoder = self._decoder
-        if self._forward.__name__.startswith("stack"):
-            return (decoder.embed_tokens, decoder.rotary_emb, decoder.norm, tuple(decoder.layers))
-        return (decoder,)
-
     def stored(self, name: str, tokens: int) -> bool:
         """Graph ``name`` of ``tokens`` new tokens (:meth:`graph_tokens`) is in the store
         (or was loaded from it in this process)."""
@@ -474,7 +470,7 @@ class CompiledForward:
             graph = self._sized_graphs[key] = self._sized_graph(name, key[1])
         tensors = args
         if not name.startswith("layered-"):  # the whole decoder's graphs and the head's take their modules first
-            args = (*self._modules_of(name), *args)
+            args = (*(self._head_modules if name == "logits" else self._decoder_modules), *args)
         if key in self._ready:
             return graph(*args)
         if self.failure is not None:

@@ -162,8 +162,13 @@ def graph_identity(model: torch.nn.Module, *, options: dict) -> str:
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
+def identity_dir(identity: str) -> Path:
+    """Where the graphs of ``identity`` (:func:`graph_identity`) are stored."""
+    return store_root() / identity
+
+
 def graph_path(identity: str, name: str, tokens: int) -> Path:
-    return store_root() / identity / f"{name}-{int(tokens)}.bin"
+    return identity_dir(identity) / f"{name}-{int(tokens)}.bin"
 
 
 class RefusedGraph(RuntimeError):
