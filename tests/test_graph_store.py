@@ -3,9 +3,12 @@ loaded by a later process without compiling, computing what they computed for th
 they are given; stored apart where anything they bake in differs; compiled again where
 a stored graph does not load or does not take its inputs; priced at their load time.
 
-"A later process" is a new model object after ``torch._dynamo.reset()``: nothing of the
-first compile is left in memory, and a graph that compiled would show in inductor's
-counters.
+"A later process" is a new model object: its compiled forwards are a new object with
+code objects of their own, so no Dynamo cache of the first compile can serve them, and a
+graph that compiled would show in inductor's counters. (``torch._dynamo.reset()`` would
+say the same more bluntly, but it also empties the caches of the graphs other tests'
+shared tiny models compiled, which then recompiled a graph per tree size, past Dynamo's
+recompile limit, in a later test.)
 """
 
 import copy
@@ -69,7 +72,7 @@ def stored_graphs(runner) -> dict[str, bool]:
 
 
 def later_process():
-    torch._dynamo.reset()
+    """Nothing to do: each test's later runs use a new model object (see the module docstring)."""
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
