@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tokenswift import Pipeline, SamplingSpec
+from tokenswift.stats import STAGES
 from tokenswift.testing import reference_generate, tiny_model_for
 
 ARCHS = ["llama-mha", "llama-gqa", "qwen2"]
@@ -116,6 +117,59 @@ def test_each_stage_reports_the_part_that_was_the_models(spec):
     assert all(p == 0 for p in proposing) if spec == "ar" else any(p > 0 for p in proposing)
     stats = pipe.generate(prompt_ids(7), 6, seed=0, ignore_eos=True).stats
     assert set(stats.model_stage_seconds) == set(stats.stage_seconds) and stats.model_stage_seconds["forward"] > 0
+
+
+@pytest.mark.parametrize("tree", ["auto", "fixed"])
+def test_the_stage_profile_splits_the_steps_that_verified_a_tree_from_the_plain_ones(tree):
+    """``stats.stage_profile()`` totals the step records by kind: a step that verified
+    candidates is ``speculated``, one that verified the root alone ``plain`` (also when a
+    drafter proposed and the tree choice kept nothing); per kind its steps, tokens and
+    stage milliseconds agree with the records a plugin saw."""
+    from tokenswift import hookimpl
+
+    seen = []
+
+    class Records:
+        @hookimpl
+        def tokenswift_step_end(self, pipeline, step):
+            seen.append(step)
+
+    model = tiny_model_for("llama-gqa")
+    pipe = Pipeline.from_spec("eagle", model, overrides={"speculation": {"tree": tree}})
+    pipe.plugin_manager.register(Records())
+    stats = pipe.generate(prompt_ids(7), 24, seed=0, ignore_eos=True).stats
+    profile = stats.stage_profile()
+    for kind, steps in (("speculated", [r for r in seen if r.verified > 0]), ("plain", [r for r in seen if r.verified == 0])):
+        if not steps:
+            assert kind not in profile
+            continue
+        got = profile[kind]
+        assert got["steps"] == len(steps)
+        assert got["tokens_per_step"] == round(sum(len(r.emitted) for r in steps) / len(steps), 3)
+        for stage in STAGES:
+            assert got["stage_ms"][stage] == pytest.approx(1000 * sum(r.stage_seconds[stage] for r in steps) / len(steps), abs=0.01)
+            assert 0 <= got["model_ms"][stage] <= got["stage_ms"][stage] + 0.01
+        assert got["ms_per_step"] >= sum(got["stage_ms"].values()) - 0.05  # the wall time holds the stages
+    assert sum(kind["steps"] for kind in profile.values()) == stats.steps
+    if tree == "fixed":
+        assert profile["speculated"]["steps"] > 0 and profile["speculated"]["tokens_per_step"] > 1
+
+
+def test_a_step_that_proposed_but_verified_nothing_counts_as_plain():
+    """The tree choice can keep no candidate of a proposal: that step ran the root alone
+    (its proposal's cost shows in the plain steps' propose stage)."""
+    from tokenswift.stats import StatsCollector, StepRecord
+
+    collector = StatsCollector()
+    stages = dict.fromkeys(STAGES, 0.001)
+    for step, (candidates, verified, emitted) in enumerate([(0, 0, 1), (4, 0, 1), (4, 3, 3)]):
+        collector(StepRecord(step=step, verified=verified, depth=verified, accepted=emitted - 1, retrieved=0,
+                             emitted=[7] * emitted, generated=0, seconds=0.01 * (step + 1), stage_seconds=dict(stages),
+                             model_seconds=dict.fromkeys(STAGES, 0.0), candidates=candidates))
+    profile = collector.stats(prompt_tokens=3, new_tokens=5, seconds=0.03, prefill_seconds=0.0, finish_reason="length").stage_profile()
+    assert (profile["plain"]["steps"], profile["speculated"]["steps"]) == (2, 1)
+    assert (profile["plain"]["tokens_per_step"], profile["speculated"]["tokens_per_step"]) == (1.0, 3.0)
+    assert profile["speculated"]["ms_per_step"] == pytest.approx(10.0) and profile["speculated"]["other_ms"] == pytest.approx(6.0)
 
 
 def test_model_time_counts_nested_measures_once():

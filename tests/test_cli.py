@@ -26,6 +26,10 @@ def test_generate_to_a_file_with_stats(tmp_path, model_dir, capsys):
     assert code == 0, err
     stats = json.loads(stats_file.read_text())
     assert stats["new_tokens"] == 12 and stats["seed"] == 3 and stats["preset"] == "tokenswift"
+    # where the steps' time went, by kind of step (GenerationStats.stage_profile)
+    assert set(stats["stages"]) <= {"speculated", "plain"}
+    assert sum(kind["steps"] for kind in stats["stages"].values()) == stats["steps"]
+    assert all(set(kind["stage_ms"]) == {"propose", "forward", "verify", "commit"} for kind in stats["stages"].values())
     assert out_file.read_text().split() and not list(tmp_path.glob("*.partial"))
     assert "tokens_per_second=" in err
 

@@ -139,6 +139,10 @@ class GenerationStats:
     compile_seconds: float = 0.0  # what compiling took during this run (in `seconds`)
     health: TextHealth | None = None  # the text's health at the end (None: no step ran)
     model_stage_seconds: dict[str, float] = attrs.field(factory=dict)  # per stage, the models' part of stage_seconds
+    # per kind of step ("speculated": it verified candidates; "plain": the root alone), its
+    # totals: steps, tokens, seconds (wall, step to step), per-stage seconds and the models'
+    # part of them (StatsCollector)
+    step_kinds: dict[str, dict[str, Any]] = attrs.field(factory=dict)
     resumed_tokens: int = 0  # of new_tokens, the ones a checkpoint brought (no step of this run emitted them)
 
     @property
@@ -192,6 +196,29 @@ class GenerationStats:
             "finish_reason": self.finish_reason,
         }
 
+    def stage_profile(self) -> dict[str, Any]:
+        """Where a step's time went, per kind of step (``speculated`` steps verified
+        candidates, ``plain`` ones the root alone, whatever was proposed): steps, tokens per
+        step, wall ms per step, and per stage (:data:`STAGES`) its ms per step and the
+        models' part of it (``model_ms``: forwards, LM-head rows, a drafter's network);
+        ``other_ms``: the wall time outside the stages (observers, streaming, checkpoints).
+        A graph loaded or compiled at a step counts in its forward."""
+        profile = {}
+        for kind, totals in self.step_kinds.items():
+            steps = totals["steps"]
+            if not steps:
+                continue
+            ms = {stage: round(1000 * seconds / steps, 2) for stage, seconds in totals["stages"].items()}
+            profile[kind] = {
+                "steps": steps,
+                "tokens_per_step": round(totals["tokens"] / steps, 3),
+                "ms_per_step": round(1000 * totals["seconds"] / steps, 2),
+                "stage_ms": ms,
+                "model_ms": {stage: round(1000 * seconds / steps, 2) for stage, seconds in totals["model"].items()},
+                "other_ms": round(1000 * totals["seconds"] / steps - sum(ms.values()), 2),
+            }
+        return profile
+
     def decisions(self) -> dict[str, Any]:
         """How the chosen trees did: verified vs proposed nodes, predicted vs realised
         tokens per step, predicted vs measured forward seconds per step."""
@@ -218,8 +245,24 @@ class StatsCollector:
         self.stage = dict.fromkeys(STAGES, 0.0)
         self.model_stage = dict.fromkeys(STAGES, 0.0)
         self.health: TextHealth | None = None
+        self.kinds = {kind: {"steps": 0, "tokens": 0, "seconds": 0.0, "stages": dict.fromkeys(STAGES, 0.0),
+                             "model": dict.fromkeys(STAGES, 0.0)} for kind in ("speculated", "plain")}
+        self._last_seconds: float | None = None
+
+    def _count_kind(self, record: StepRecord) -> None:
+        kind = self.kinds["speculated" if record.verified > 0 else "plain"]
+        kind["steps"] += 1
+        kind["tokens"] += len(record.emitted)
+        # wall time since the previous step (the first step's: its stages, the prefill before them not counted)
+        previous, self._last_seconds = self._last_seconds, record.seconds
+        kind["seconds"] += record.seconds - previous if previous is not None else sum(record.stage_seconds.values())
+        for stage, seconds in record.stage_seconds.items():
+            kind["stages"][stage] = kind["stages"].get(stage, 0.0) + seconds
+        for stage, seconds in record.model_seconds.items():
+            kind["model"][stage] = kind["model"].get(stage, 0.0) + seconds
 
     def __call__(self, record: StepRecord) -> None:
+        self._count_kind(record)
         self.steps += 1
         self.health = record.health
         self.candidates += record.candidates
@@ -271,4 +314,6 @@ class StatsCollector:
             compile_seconds=compile_seconds,
             health=self.health,
             model_stage_seconds=dict(self.model_stage),
+            step_kinds={kind: {**totals, "stages": dict(totals["stages"]), "model": dict(totals["model"])}
+                        for kind, totals in self.kinds.items()},
         )

@@ -272,8 +272,9 @@ def run(args, argv: list[str] | None = None) -> int:
     if not primary:
         return {"interrupted": 130, "non-finite scores": 1}.get(result.stats.finish_reason, 0)
     summary = {"preset": pipe.spec.preset, "seed": result.seed, **result.stats.summary()}
-    if args.stats_json:
-        Path(args.stats_json).write_text(json.dumps(summary, indent=2) + "\n")
+    if args.stats_json:  # with where the steps' time went (GenerationStats.stage_profile)
+        details = {**summary, "stages": result.stats.stage_profile()}
+        Path(args.stats_json).write_text(json.dumps(details, indent=2) + "\n")
     if not args.quiet:
         print(" ".join(f"{k}={v}" for k, v in summary.items()), file=sys.stderr)
     reason = result.stats.finish_reason
