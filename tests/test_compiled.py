@@ -875,3 +875,39 @@ def test_compiled_eagle_with_the_papers_sampling_is_lossless(tmp_path):
                  "sampling": {"temperature": 0.8, "top_p": 0.9}, "speculation": {"tree": "fixed"}}
     result = assert_lossless(Pipeline.from_spec("eagle", model, overrides=overrides), [5, 6, 7, 8] * 6, 40, seed=1)
     assert result.stats.compiled and result.stats.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_the_staged_kernel_path_of_compiled_forwards_computes_what_the_general_path_does(dtype, monkeypatch):
+    """A compiled verify forward's attention takes the fast path (the store's staging
+    written and the decode kernel called on its buffers, settled once per forward) where
+    the kernel serves it: the trees' logits, the last token's and the committed KV equal
+    the general path's bit for bit, and every layer of every forward took it (planted:
+    the new keys written one position late fails)."""
+    from tokenswift import kernels
+    from tokenswift.model import attention
+
+    if not kernels.available():
+        pytest.skip("the decode kernel could not be built here")
+    model = tiny_model_for("llama-gqa", dtype)
+    results, calls = {}, []
+    for fast in (False, True):
+        monkeypatch.setattr(attention, "FAST_STAGED", fast)
+        runner = Runner(model)
+        runner.use_compiled(True)
+        runner.use_compiled_trees((2, 4, 8))
+        if fast:
+            original = attention._StagedKernel.__call__
+            monkeypatch.setattr(attention._StagedKernel, "__call__", lambda self, *a: calls.append(a[0]) or original(self, *a))
+        results[fast] = tree_forwards(runner)
+    general, fast = results[False], results[True]
+    for want, have in zip(general[0], fast[0]):
+        assert torch.equal(have, want)
+    assert torch.equal(fast[1], general[1])
+    assert all(torch.equal(have, want) for have, want in zip(fast[2], general[2]))
+    # every forward the kernel serves (its padded size within the kernel's tokens for this
+    # dtype on this CPU, the last one-token forward included), every layer in order
+    served = [size for size in (*(runner.compiled_size(len(tokens)) for tokens, _, _ in TREES), 1)
+              if size <= kernels.max_tokens(getattr(torch, dtype))]
+    layers = model.config.num_hidden_layers
+    assert served and calls == list(range(layers)) * len(served)
