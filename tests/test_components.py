@@ -116,6 +116,52 @@ def test_ngram_ranks_by_count_and_keys_on_depth_one_candidates():
     assert [list(b.tokens) for b in keyed_on_root] == [[7, 1, 1]]  # keyed on the root (token 0)
 
 
+def test_ngram_proposes_the_windows_ngrams_after_the_tables_with_no_estimate():
+    """A loop inside the penalty window: the paper's rule (``recent = false``) has nothing
+    to reuse; by default its n-grams come after the table's, with no confidence."""
+    tokens = [1, 2, 3, 4, 5] + [8, 9] * 6
+    state = DecodeState(tokens=tokens, prompt_length=len(tokens))
+    paper = build({"preset": "tokenswift", "penalty": {"window": 16}, "retriever": {"recent": False}}).retriever
+    paper.start(state)
+    assert paper.retrieve(state, []) == [] and paper.retrieve(state, [8]) == []
+    retriever = build({"preset": "tokenswift", "penalty": {"window": 16}}).retriever
+    retriever.start(state)
+    assert [(list(b.tokens), b.confidence) for b in retriever.retrieve(state, [])] == [([8, 9, 8], [None] * 3)]
+    assert [list(b.tokens) for b in retriever.retrieve(state, [8])] == [[8, 9, 8, 9]]
+    # once older than the window, an n-gram is the table's (with its share), not proposed twice
+    tokens = tokens + [6] * 9
+    retriever.observe(DecodeState(tokens=tokens, prompt_length=len(state.tokens)), None)
+    assert [(list(b.tokens), b.confidence) for b in retriever.retrieve(DecodeState(tokens=tokens[:-9] + [8], prompt_length=1), [])] == [
+        ([9, 8, 9], [1.0, None, None]), ([9, 6, 6], [None, None, None])
+    ]
+    assert [list(b.tokens) for b in retriever.retrieve(DecodeState(tokens=tokens, prompt_length=1), [])] == [[6, 6, 6]]
+
+
+@settings(max_examples=40, deadline=None)
+@given(text=st.lists(st.integers(0, 4), min_size=0, max_size=40), steps=st.lists(st.integers(1, 5), max_size=8),
+       window=st.integers(0, 12))
+def test_ngram_table_and_window_hold_every_ngram_once_as_the_text_grows(text, steps, window):
+    """Every n-gram of the text is counted once: in the table when all its tokens have
+    left the penalty window, else among the window's (planted: an n-gram left in the
+    window's counts as it joins the table fails)."""
+    import collections
+
+    pipe = build({"preset": "tokenswift", "penalty": {"window": max(window, 1)}})
+    retriever, n = pipe.retriever, 4
+    tokens = list(text)
+    retriever.start(DecodeState(tokens=list(tokens), prompt_length=len(tokens)))
+    for extra in [0, *steps]:
+        tokens += [(len(tokens) * 7 + i) % 5 for i in range(extra)]
+        retriever.observe(DecodeState(tokens=list(tokens), prompt_length=len(text)), None)
+        limit = len(tokens) - max(window, 1) - n
+        expected_table, expected_recent = collections.Counter(), collections.Counter()
+        for start in range(len(tokens) - n + 1):
+            (expected_table if start <= limit else expected_recent)[(tokens[start], tuple(tokens[start + 1 : start + n]))] += 1
+        have_table = collections.Counter({(k, c): v for k, counts in retriever.table.items() for c, v in counts.items() if v})
+        have_recent = collections.Counter({(k, c): v for k, counts in retriever.recent.items() for c, v in counts.items() if v})
+        assert have_table == expected_table and have_recent == expected_recent
+
+
 def test_prompt_lookup_continues_the_latest_match():
     pipe = build({"preset": "prompt-lookup", "retriever": {"num_tokens": 3}})
     tokens = [5, 6, 7, 1, 5, 6, 8, 2, 9, 5, 6]
@@ -238,7 +284,7 @@ def test_drafting_never_writes_into_the_committed_kv(cache):
 def test_dynamic_is_the_default_of_the_tokenswift_preset():
     pipe = build("tokenswift")
     assert isinstance(pipe.cache_policy, DynamicPolicy) and pipe.cache_policy.options.budget == 4096
-    assert pipe.max_tree_nodes() == 1 + 40 + 20 * 4
+    assert pipe.max_tree_nodes() == 1 + 40 + 2 * 20 * 4  # the n-grams of the table and of the window
 
 
 @pytest.mark.parametrize("penalize", [True, False])
