@@ -511,3 +511,32 @@ def test_a_run_too_large_for_memory_is_one_line_without_a_warning_before_it(mode
                        "--prompt", "the cat", "--max-new-tokens", str(10**12), "--out", str(out))
     assert code == 2 and err.count("\n") == 1 and "lower --max-new-tokens (1000000000000)" in err, err
     assert [r.getMessage() for r in caplog.records if r.levelno >= 30] == [] and not out.exists()
+
+
+def test_generate_decodes_with_the_heap_frozen_and_gives_it_back(model_dir, monkeypatch, capsys):
+    """The objects alive before the run are out of the garbage collector's scans while it
+    decodes (gc.freeze), and collectable again after it, also when the run fails."""
+    import gc
+
+    from tokenswift import Pipeline
+
+    seen = []
+    original = Pipeline.generate
+
+    def generate(self, *args, **kwargs):
+        seen.append(gc.get_freeze_count())
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Pipeline, "generate", generate)
+    code, out, err = run(capsys, "generate", "--model", str(model_dir), "--dtype", "float32", "--prompt", "a dog",
+                         "--max-new-tokens", "3", "--quiet")
+    assert code == 0, err
+    assert seen and seen[0] > 0 and gc.get_freeze_count() == 0
+
+    def failing(self, *args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(Pipeline, "generate", failing)
+    with pytest.raises(RuntimeError):
+        main(["generate", "--model", str(model_dir), "--dtype", "float32", "--prompt", "a dog", "--max-new-tokens", "3", "--quiet"])
+    assert gc.get_freeze_count() == 0

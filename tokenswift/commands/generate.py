@@ -4,6 +4,8 @@ progress bar, checkpoints beside ``--out`` and ``--resume``."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import math
 import signal
@@ -167,6 +169,19 @@ def _check_paths(args) -> None:
         check_writable(args.stats_json, "--stats-json")
 
 
+@contextlib.contextmanager
+def frozen_heap():
+    """The objects alive before the run (the model's modules, transformers' and torch's
+    ~500K) left out of the cyclic garbage collector's scans while it runs, and given back
+    after it. Its collections took 0.29 s of a 1,000-token run (~1.7%, every preset alike),
+    0.05 s with them frozen (SmolLM2, a 2-core AMD EPYC Zen 4)."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def run(args, argv: list[str] | None = None) -> int:
     from tokenswift import Pipeline, hookimpl
     from tokenswift.checkpoint import Checkpoint
@@ -249,17 +264,18 @@ def run(args, argv: list[str] | None = None) -> int:
                 target.write(chunk.text)
                 target.flush()
 
-        result = pipe.generate(
-            prompt,
-            max_new_tokens,
-            seed=args.seed,
-            ignore_eos=ignore_eos,
-            stream=stream,
-            checkpoint=checkpoint_path(args.out) if args.out else None,
-            checkpoint_every=args.checkpoint_every,
-            resume=resume,
-            loop_threshold=args.loop_threshold,
-        )
+        with frozen_heap():
+            result = pipe.generate(
+                prompt,
+                max_new_tokens,
+                seed=args.seed,
+                ignore_eos=ignore_eos,
+                stream=stream,
+                checkpoint=checkpoint_path(args.out) if args.out else None,
+                checkpoint_every=args.checkpoint_every,
+                resume=resume,
+                loop_threshold=args.loop_threshold,
+            )
         if out_file is None and primary:
             sys.stdout.write("\n")
     finally:
