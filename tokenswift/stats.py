@@ -242,8 +242,6 @@ class StatsCollector:
         self.candidates = self.passes = self.chosen_steps = self.chosen_tokens = 0
         self.predicted_tokens = self.predicted_seconds = self.forward_seconds = 0.0
         self.histogram: dict[int, int] = {}
-        self.stage = dict.fromkeys(STAGES, 0.0)
-        self.model_stage = dict.fromkeys(STAGES, 0.0)
         self.health: TextHealth | None = None
         self.kinds = {kind: {"steps": 0, "tokens": 0, "seconds": 0.0, "stages": dict.fromkeys(STAGES, 0.0),
                              "model": dict.fromkeys(STAGES, 0.0)} for kind in ("speculated", "plain")}
@@ -260,6 +258,10 @@ class StatsCollector:
             kind["stages"][stage] = kind["stages"].get(stage, 0.0) + seconds
         for stage, seconds in record.model_seconds.items():
             kind["model"][stage] = kind["model"].get(stage, 0.0) + seconds
+
+    def _total(self, part: str) -> dict[str, float]:
+        """Per stage, the seconds of both kinds of step (``part``: "stages" or "model")."""
+        return {stage: sum(kind[part].get(stage, 0.0) for kind in self.kinds.values()) for stage in STAGES}
 
     def __call__(self, record: StepRecord) -> None:
         self._count_kind(record)
@@ -279,10 +281,6 @@ class StatsCollector:
         self.depth += record.depth
         emitted = len(record.emitted)
         self.histogram[emitted] = self.histogram.get(emitted, 0) + 1
-        for stage, seconds in record.stage_seconds.items():
-            self.stage[stage] = self.stage.get(stage, 0.0) + seconds
-        for stage, seconds in record.model_seconds.items():
-            self.model_stage[stage] = self.model_stage.get(stage, 0.0) + seconds
 
     def stats(
         self, *, prompt_tokens: int, new_tokens: int, seconds: float, prefill_seconds: float, finish_reason: str, dtype: str = "",
@@ -300,7 +298,7 @@ class StatsCollector:
             retrieved_accepted_tokens=self.retrieved,
             draft_depth=self.depth,
             tokens_per_step_histogram=dict(sorted(self.histogram.items())),
-            stage_seconds=dict(self.stage),
+            stage_seconds=self._total("stages"),
             finish_reason=finish_reason,
             dtype=dtype,
             candidate_tokens=self.candidates,
@@ -313,7 +311,7 @@ class StatsCollector:
             compiled=compiled,
             compile_seconds=compile_seconds,
             health=self.health,
-            model_stage_seconds=dict(self.model_stage),
+            model_stage_seconds=self._total("model"),
             step_kinds={kind: {**totals, "stages": dict(totals["stages"]), "model": dict(totals["model"])}
                         for kind, totals in self.kinds.items()},
         )

@@ -199,21 +199,23 @@ def serves(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
 
 
 def decode_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, prefix: int, tree_mask: torch.Tensor | None, scaling: float
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, prefix: int, tree_mask: torch.Tensor | None, scaling: float,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """query: [1, q_heads, n, D]; key/value: [1, kv_heads, prefix + n, D] (the new
     tokens' keys last; views of the store are fine); tree_mask: [n, n] bool among the
-    new tokens, or None when every row sees every key. Returns [1, n, q_heads, D] in
-    the query's dtype; the softmax in float32 (float64 for float64 queries)."""
+    new tokens, or None when every row sees every key; chunk: keys per work item (default
+    :func:`chunk_size`, for a caller that settles it once for many layers). Returns
+    [1, n, q_heads, D] in the query's dtype; the softmax in float32 (float64 for float64
+    queries)."""
     _, q_heads, n, dim = query.shape
     kv_heads = key.shape[1]
     folded = query.reshape(kv_heads, (q_heads // kv_heads) * n, dim)
     if folded.dtype not in (torch.float32, torch.float64, torch.bfloat16):
         folded = folded.float()
-    visible = key.shape[2] if tree_mask is None else prefix
-    out = torch.ops.tokenswift_cpu.decode_attention(
-        folded.contiguous(), key, value, prefix, tree_mask, chunk_size(visible, kv_heads), float(scaling)
-    )
+    if chunk is None:
+        chunk = chunk_size(key.shape[2] if tree_mask is None else prefix, kv_heads)
+    out = torch.ops.tokenswift_cpu.decode_attention(folded.contiguous(), key, value, prefix, tree_mask, chunk, float(scaling))
     return out.reshape(1, q_heads, n, dim).transpose(1, 2).to(query.dtype).contiguous()
 
 

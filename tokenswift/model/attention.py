@@ -161,27 +161,22 @@ _NEXT_LAYER: list[int] = []
 
 
 class _StagedKernel:
-    """A verify forward's attention, layer by layer, in the fewest operations: the new
-    tokens' keys and values written into the store's staging area and the decode kernel
-    called on the store's buffers, with everything that is the same for every layer (the
-    positions, the mask, the kernel's chunk size, the shapes) settled once per forward.
+    """A verify forward's attention, layer by layer, with what is the same for every layer
+    settled once per forward: whether the decode kernel serves it, and the kernel's chunk
+    size. Each layer then joins its new keys and values to the store's staging
+    (:meth:`~tokenswift.model.kv.Staging.join`) and calls the kernel: what
+    :func:`plan_attention` would do, without its per-layer checks. It exists because a
+    compiled step leaves the graph for ``tokenswift::attend`` at every layer: those
+    checks and wrappers took 0.2-0.35 ms of a 9-18 ms SmolLM2 one-token forward, 0-0.5 of a
+    tree of 4 (512-4K positions, two runs in turns; a 2-core AMD EPYC Zen 4, docs/compiled.md)."""
 
-    It computes exactly what :meth:`~tokenswift.model.kv.Staging.join` followed by
-    :func:`plan_attention` computes (the same writes, the same kernel call); it exists
-    because a compiled step leaves the graph for ``tokenswift::attend`` at every layer:
-    the general path's per-layer checks and wrappers took 0.16-0.35 ms of a 9-18 ms
-    SmolLM2 forward (one token or a tree of 4, 512-4K positions; a 2-core AMD EPYC Zen 4,
-    docs/compiled.md)."""
-
-    __slots__ = ("keys", "values", "start", "end", "prefix", "mask", "chunk", "dtype", "n")
+    __slots__ = ("plan", "store", "mask", "chunk", "dtype")
 
     def __init__(self, plan: ForwardPlan, store: KVStore) -> None:
-        self.keys, self.values = store.keys, store.values
-        self.n = plan.new_tokens
-        self.start = self.prefix = plan.prefix
-        self.end = self.start + self.n
+        self.plan, self.store = plan, store
         self.mask = None if plan.dense else plan.tree_mask
-        self.chunk = kernels.chunk_size(self.end if self.mask is None else self.prefix, store.kv_heads)
+        end = plan.prefix + plan.new_tokens
+        self.chunk = kernels.chunk_size(end if self.mask is None else plan.prefix, store.kv_heads)
         self.dtype = store.keys[0].dtype
 
     @classmethod
@@ -203,17 +198,8 @@ class _StagedKernel:
     def __call__(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float):
         if query.dtype != self.dtype:  # a prefill computed in another dtype than the stored KV's
             return None
-        key_buffer, value_buffer = self.keys[layer], self.values[layer]
-        key_buffer[:, :, self.start : self.end] = key
-        value_buffer[:, :, self.start : self.end] = value
-        _, q_heads, n, dim = query.shape
-        kv_heads = key_buffer.shape[1]
-        folded = query.reshape(kv_heads, (q_heads // kv_heads) * n, dim)
-        out = torch.ops.tokenswift_cpu.decode_attention(
-            folded if folded.is_contiguous() else folded.contiguous(), key_buffer[:, :, : self.end],
-            value_buffer[:, :, : self.end], self.prefix, self.mask, self.chunk, scaling,
-        )
-        return out.view(1, q_heads, n, dim).transpose(1, 2).to(query.dtype).contiguous()  # the kernel's is float32/64
+        keys, values = self.plan.view.join(self.store, layer, key, value)
+        return kernels.decode_attention(query, keys, values, self.plan.prefix, self.mask, scaling, chunk=self.chunk)
 
 
 # The fast path of tokenswift::attend (_StagedKernel); off, every layer takes the
