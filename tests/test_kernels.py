@@ -447,7 +447,7 @@ def test_linears_choice_is_checked(monkeypatch):
 
 @pytest.mark.parametrize(
     ("path", "dtype", "expected"),
-    [("amx", torch.bfloat16, True), ("avx512-bf16", torch.bfloat16, True), ("avx2", torch.bfloat16, False),
+    [("amx", torch.bfloat16, True), ("avx512-bf16", torch.bfloat16, True), ("avx2", torch.bfloat16, True),
      ("avx512", torch.bfloat16, False), ("scalar", torch.bfloat16, False), ("amx", torch.float32, False),
      (None, torch.bfloat16, False)],
 )

@@ -235,9 +235,13 @@ def linear_path() -> str | None:
 
 
 # The bfloat16 paths on which ``auto`` turns the kernel on: measured faster than PyTorch's
-# products on both (docs/compiled.md). The widening paths (AVX2, AVX512 without BF16)
-# and float32 are not measured in whole runs, so they keep PyTorch's products.
-AUTO_LINEAR_PATHS = ("amx", "avx512-bf16")
+# products on each (docs/compiled.md). On AVX2 (an AMD EPYC Zen 3, 2 cores; the W rows
+# widened in registers) the 210 products of a SmolLM2-135M forward took 11-12 / 13-15 /
+# 20-22 / 30-36 ms for 1 / 2 / 4 / 8 rows against PyTorch's 14-17 / 25-29 / 46-55 /
+# 87-100, and a compiled tree forward of 2 / 4 / 8 tokens at 2K positions 22.5 / 32.1 /
+# 45.6 ms against 45.2 / 75.9 / 128.2. AVX512 without BF16 and float32 are not measured
+# in whole runs, so they keep PyTorch's products.
+AUTO_LINEAR_PATHS = ("amx", "avx512-bf16", "avx2")
 
 
 def linears_by_default(dtype: torch.dtype, device: torch.device) -> bool:
@@ -246,7 +250,8 @@ def linears_by_default(dtype: torch.dtype, device: torch.device) -> bool:
     dtype (float32, bfloat16), ``torch`` never, ``auto`` (default): bfloat16 models on
     the paths of :data:`AUTO_LINEAR_PATHS`. Measured there (bfloat16, SmolLM2-135M's 210
     products of a forward): 10.0 vs 21-24 ms for one row on a Sapphire Rapids (AMX),
-    12.5 vs 19.4 ms on an AMD EPYC Zen 4 (AVX512-BF16), and faster up to 32 rows."""
+    12.5 vs 19.4 ms on an AMD EPYC Zen 4 (AVX512-BF16), 11-12 vs 14-17 ms on an AMD
+    EPYC Zen 3 (AVX2), and faster up to 32 rows."""
     choice = os.environ.get(LINEARS_ENV, "auto").strip().lower()
     if choice not in ("auto", "kernel", "torch"):
         raise ValueError(f"{LINEARS_ENV}={choice!r}: expected auto, kernel or torch")

@@ -161,6 +161,68 @@ constexpr bool kNativeBF16 = true;
 constexpr bool kNativeBF16 = false;
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// bfloat16 W on AVX2 (no native bfloat16): each W row widened in registers as it is read
+// (bfloat16 is float32's upper half: zero-extend, shift left 16) and multiplied with the
+// R rows of x, already widened to float32. The block's C rows of W are taken one at a
+// time, each read start to end (one stream, as the hardware prefetcher follows it best:
+// see tile_bf16). Four accumulators per x row over K in steps of 32 (k, k+8, k+16, k+24)
+// hide the FMA latency; they are summed (a0 + a1) + (a2 + a3), across lanes, then the
+// K % 8 tail. A (row, output) result takes the same steps in the same order whatever R:
+// a row's result does not depend on the other rows. Measured on an AMD EPYC Zen 3
+// (2 cores), SmolLM2-135M's 210 bfloat16 products: see kStreamRows below.
+inline __m256 widen8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+template <int R, int C>
+inline void tile_widen(const float* x, int64_t K, const c10::BFloat16* const* w, float* out /* [R][C] */) {
+  const int64_t body32 = K - K % 32;
+  const int64_t body8 = K - K % 8;
+  for (int j = 0; j < C; ++j) {
+    const c10::BFloat16* wj = w[j];
+    __m256 acc[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int u = 0; u < 4; ++u) acc[r][u] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k < body32; k += 32) {
+      const __m256 w0 = widen8(wj + k), w1 = widen8(wj + k + 8), w2 = widen8(wj + k + 16), w3 = widen8(wj + k + 24);
+      for (int r = 0; r < R; ++r) {
+        const float* xr = x + r * K + k;
+        acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), w0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), w1, acc[r][1]);
+        acc[r][2] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), w2, acc[r][2]);
+        acc[r][3] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), w3, acc[r][3]);
+      }
+    }
+    for (; k < body8; k += 8) {
+      const __m256 w0 = widen8(wj + k);
+      for (int r = 0; r < R; ++r) acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k), w0, acc[r][0]);
+    }
+    for (int r = 0; r < R; ++r) {
+      float s = fsum(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_add_ps(acc[r][2], acc[r][3])));
+      for (int64_t t = body8; t < K; ++t) s += x[r * K + t] * static_cast<float>(wj[t]);
+      out[r * C + j] = s;
+    }
+  }
+}
+constexpr bool kWidenInRegisters = true;
+constexpr int kWidenRows = 3;  // rows of x per tile: 3 x 4 accumulators and 4 widened W vectors: the 16 registers
+
+inline void widen_tile(int rows, const float* x, int64_t K, const c10::BFloat16* const* w, float* out) {
+  switch (rows) {
+    case 1: return tile_widen<1, kCols>(x, K, w, out);
+    case 2: return tile_widen<2, kCols>(x, K, w, out);
+    case 3: return tile_widen<3, kCols>(x, K, w, out);
+  }
+}
+#else
+constexpr bool kWidenInRegisters = false;
+constexpr int kWidenRows = 1;
+inline void widen_tile(int, const float*, int64_t, const c10::BFloat16* const*, float*) {}
+#endif
+
 template <typename T>
 void widen_row(const T* src, float* dst, int64_t K) {
   int64_t k = 0;
@@ -204,6 +266,7 @@ void run(const T* x, const T* w, const T* bias, T* y, int64_t n, int64_t K, int6
   constexpr bool native = std::is_same_v<T, c10::BFloat16> && kNativeBF16;
   constexpr bool widening = !std::is_same_v<T, float> && !native;
   const int64_t blocks = (O + kCols - 1) / kCols;
+  const int64_t step = widening && kWidenInRegisters ? kWidenRows : kRows;  // rows of x per tile
   // float32 copies of x for the widening path (bfloat16 without AVX512-BF16).
   std::vector<float> xf;
   if constexpr (widening) {
@@ -214,8 +277,8 @@ void run(const T* x, const T* w, const T* bias, T* y, int64_t n, int64_t K, int6
   const int64_t grain = std::max<int64_t>(1, 32768 / (kCols * K * static_cast<int64_t>(sizeof(T))));
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch;  // a W block widened to float32 (widening path)
-    if constexpr (widening) scratch.resize(kCols * K);
-    float sums[kRows * kCols];
+    if constexpr (widening && !kWidenInRegisters) scratch.resize(kCols * K);
+    float sums[std::max(kRows, kWidenRows) * kCols];
     for (int64_t b = begin; b < end; ++b) {
       const int64_t o0 = b * kCols;
       const int64_t count = std::min<int64_t>(kCols, O - o0);
@@ -223,15 +286,16 @@ void run(const T* x, const T* w, const T* bias, T* y, int64_t n, int64_t K, int6
       const T* rows[kCols];
       for (int64_t j = 0; j < kCols; ++j) rows[j] = w + (o0 + std::min(j, count - 1)) * K;
       const float* frows[kCols];
-      if constexpr (widening) {
+      if constexpr (widening && !kWidenInRegisters) {
         for (int64_t j = 0; j < count; ++j) widen_row(rows[j], scratch.data() + j * K, K);
         for (int64_t j = 0; j < kCols; ++j) frows[j] = scratch.data() + std::min(j, count - 1) * K;
       } else if constexpr (std::is_same_v<T, float>) {
         for (int64_t j = 0; j < kCols; ++j) frows[j] = rows[j];
       }
-      for (int64_t r = 0; r < n; r += kRows) {
-        const int tile_rows = static_cast<int>(std::min<int64_t>(kRows, n - r));
+      for (int64_t r = 0; r < n; r += step) {
+        const int tile_rows = static_cast<int>(std::min<int64_t>(step, n - r));
         if constexpr (native) tile(tile_rows, x + r * K, K, rows, sums, stream);
+        else if constexpr (widening && kWidenInRegisters) widen_tile(tile_rows, xf.data() + r * K, K, rows, sums);
         else if constexpr (widening) tile(tile_rows, xf.data() + r * K, K, frows, sums, stream);
         else tile(tile_rows, x + r * K, K, frows, sums, stream);
         for (int i = 0; i < tile_rows; ++i)
