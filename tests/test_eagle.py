@@ -415,6 +415,25 @@ def test_the_head_product_goes_through_the_kernel_in_bfloat16_where_the_runner_u
     assert not float_pipe.drafter.kernel_head and float_pipe.drafter.head.dtype == torch.float32
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["no native bfloat16", "native bfloat16"])
+def test_the_layers_products_of_many_rows_run_in_float32_where_bfloat16_is_not_native(monkeypatch, native):
+    """The draft layer's catch-up on a run of plain steps' pairs is more rows than the
+    kernel takes: on a CPU without native bfloat16 PyTorch's bfloat16 products of many
+    rows crawl, so they are computed in float32 on the same bfloat16 values there."""
+    from tokenswift.model import linear
+
+    monkeypatch.setattr(linear, "native_bfloat16", lambda device: native)  # pinned: whichever CPU runs the test
+    served = linear.KernelServedLinear(torch.nn.Linear(64, 48), torch.bfloat16)
+    x = torch.randn(40, 64)  # more rows than kernels.MAX_LINEAR_ROWS
+    rows, weight, bias = x.to(torch.bfloat16), served.weight, served.bias
+    if native:
+        want = torch.nn.functional.linear(rows, weight, bias).float()
+    else:
+        want = torch.nn.functional.linear(rows.float(), weight.float(), bias.float())
+    got = served(x)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+
+
 def test_the_layers_products_take_the_kernel_and_the_root_pass_runs_as_any_forward(monkeypatch):
     """Where the runner's products go through the few-rows kernel, so do the draft
     layer's (its linears swapped for kernel-served ones on bfloat16 copies of the

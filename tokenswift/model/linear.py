@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from tokenswift import kernels
+from tokenswift.machine import native_bfloat16
 
 logger = logging.getLogger(__name__)
 
@@ -119,11 +120,20 @@ class KernelServedLinear(torch.nn.Module):
         weight, bias = linear.weight.detach(), linear.bias
         self.weight = weight if dtype is None else weight.to(dtype).contiguous()
         self.bias = bias if bias is None or dtype is None else bias.detach().to(dtype)
+        # Rows the kernel does not take (the eagle drafter's catch-up on the pairs a run
+        # of plain steps committed: 100+ rows) go through PyTorch; on a CPU without
+        # native bfloat16 its bfloat16 products of many rows crawl, so there they are
+        # computed in float32 on the same rounded values (an AMD EPYC Zen 3: a catch-up
+        # took ~210 ms in bfloat16). Drafts only choose what is verified.
+        self.widen_many_rows = self.weight.dtype == torch.bfloat16 and not native_bfloat16(self.weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.to(self.weight.dtype)
         if kernels.linear_serves(rows, self.weight):
             return kernels.few_rows_linear(rows, self.weight, self.bias).to(x.dtype)
+        if self.widen_many_rows:
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(rows.float(), self.weight.float(), bias).to(x.dtype)
         return F.linear(rows, self.weight, self.bias).to(x.dtype)
 
 
