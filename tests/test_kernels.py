@@ -188,9 +188,13 @@ def test_the_avx2_path_where_this_machine_builds_a_wider_one():
     """The project's machines are of two kinds, AVX512 (with AMX) and AVX2 only, and
     each builds only its own paths. Where the native build takes the AVX512 paths, the
     AVX2 path is built for it (``-march=haswell``) and, in a subprocess, passes this
-    module's equality tests with masked SDPA and its lossless runs through the kernel."""
+    module's equality tests with masked SDPA, its lossless runs through the kernel and
+    the few-rows products' tests (row independence among them)."""
     env = dict(os.environ, **{kernels.MARCH_ENV: "haswell"})
-    tests = "equals_masked_sdpa or merges_many_chunks or lossless_through or lossless_with_trees or head_dim_64 or forced_build"
+    tests = (
+        "equals_masked_sdpa or merges_many_chunks or lossless_through or lossless_with_trees or head_dim_64 or forced_build"
+        " or few_rows_linear"
+    )
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests],
         env=env, capture_output=True, text=True, timeout=900,
