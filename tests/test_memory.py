@@ -153,15 +153,19 @@ def test_a_long_run_holds_no_more_per_token_than_its_text():
     spec = {"preset": "tokenswift", "drafter": {"heads": "random"}, "model": {"compile": False},
             "penalty": {"window": 256}}
     pipe = Pipeline.from_spec(spec, tiny_model_for("llama-gqa", "float32"))
+    # A first run makes what a process makes once (caches and tables filled at a first
+    # use past the span's start: they read as 586-775 bytes a token of growth in a first
+    # run, ~530 in the next); the second run is measured.
+    pipe.generate(list(range(1, 21)), 1600, seed=0, ignore_eos=True)
     watch = _Watch(first=400, last=1600)
     pipe.plugin_manager.register(watch)
     result = pipe.generate(list(range(1, 21)), 1600, seed=0, ignore_eos=True)
     assert len(result.tokens) == 1600 and set(watch.seen) == {"first", "last"}
     (first, tensors_then), (last, tensors_now, heap) = watch.seen["first"], watch.seen["last"]
     assert tensors_now - tensors_then <= 64 * 1024, (tensors_then, tensors_now)
-    # ~670 bytes a token here (each new 4-gram's entry); a planted leak of one small dict a
-    # step read ~800, and of each step's last hidden row kept, +196 KB of tensors
-    assert heap / (last - first) < 768, f"{heap / (last - first):.0f} bytes a token"
+    # ~520-530 bytes a token here (each new 4-gram's entry); a planted leak of one small
+    # dict a step read 762, and of each step's last hidden row kept, +196 KB of tensors
+    assert heap / (last - first) < 700, f"{heap / (last - first):.0f} bytes a token"
 
 
 def test_a_kv_store_the_runner_replaces_is_freed_at_once():
