@@ -407,8 +407,14 @@ def test_one_token_forwards_by_runs_of_layers_equal_eager_ones(dtype, monkeypatc
     assert ("layered-forward", 1) in graphs._ready and graphs.compiled
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("graphs_of", ["every size", "each size", "whole decoder"])
+# The graph of every size (what runs by default) in both dtypes; the other kinds, each
+# a cold compile of ~20 s on a 2-core AVX2 CPU, in float64 by default and float32 with
+# `python -m pytest -m slow`.
+@pytest.mark.parametrize(("dtype", "graphs_of"), [
+    ("float32", "every size"), ("float64", "every size"), ("float64", "each size"), ("float64", "whole decoder"),
+    pytest.param("float32", "each size", marks=pytest.mark.slow),
+    pytest.param("float32", "whole decoder", marks=pytest.mark.slow),
+])
 def test_compiled_tree_forwards_equal_eager_ones(dtype, graphs_of, monkeypatch):
     """Trees padded to a compiled size (3 tokens -> 4, 6 -> 8; 2 and 4 as they are), or
     at their own size through one graph of every size: the same logits for every node,
