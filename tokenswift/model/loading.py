@@ -288,7 +288,8 @@ def load_model(spec: ModelSpec):
             f"a .gguf file, or a packaged model name ({sorted(PACKAGED_MODELS)})"
         )
     tp_size = distributed.world_size()
-    with _gguf_parsed_once():  # a GGUF file read directly: its config, weights and tokenizer from one parse
+    # a GGUF file read directly: its config, weights and tokenizer from one parse
+    with _gguf_parsed_once() if gguf_file is not None else contextlib.nullcontext():
         model, tokenizer = _load_pretrained(directory, dtype, gguf_file, spec.rope, tp_size)
     if tp_size > 1:
         return model.eval(), tokenizer  # transformers placed each rank's shard on its device
