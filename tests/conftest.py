@@ -32,3 +32,35 @@ def model_dir(tmp_path_factory):
     tiny_model_for("llama-gqa", "float32").save_pretrained(path)
     word_tokenizer().save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_conversion(tmp_path_factory):
+    """The packaged demo model's GGUF file converted once a session (~25-35 s on two
+    cores), in a cache of its own with the file's parses counted, then linked into the
+    session's cache, where every later load of ``smollm2`` finds it. Returns (parses,
+    converted directory). Tests that load the model use it, so that the suite converts
+    once, not once per test file."""
+    import gguf
+
+    from tokenswift.model import loading
+
+    parses = []
+
+    class CountedReader(gguf.GGUFReader):
+        def __init__(self, *args, **kwargs):
+            parses.append(args)
+            super().__init__(*args, **kwargs)
+
+    own = tmp_path_factory.mktemp("smollm2-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", CountedReader)
+        patch.setenv("TOKENSWIFT_CACHE", str(own))
+        converted = loading._converted_gguf(loading.PACKAGED_MODELS["smollm2"].locate())
+    assert converted is not None
+    shared = loading.cache_dir() / "models" / converted.name
+    if not shared.exists():
+        shared.parent.mkdir(parents=True, exist_ok=True)
+        shared.symlink_to(converted, target_is_directory=True)
+    return len(parses), converted
+

