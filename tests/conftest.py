@@ -15,6 +15,10 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 # Compiled graphs are compiled in each test, not loaded from the graph store that an
 # earlier test filled (tokenswift.model.graph_store); tests/test_graph_store.py turns it on.
 os.environ["TOKENSWIFT_GRAPH_STORE"] = "0"
+# A run's first calibration is measured in the run's process, not in a child process of
+# its own (a fresh interpreter: ~6-9 s on a 2-core CPU, each model and dtype a test runs
+# first); tests/test_calibrate_apart.py sets the default back.
+os.environ["TOKENSWIFT_CALIBRATE"] = "here"
 
 
 @pytest.fixture(autouse=True)

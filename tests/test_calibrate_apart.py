@@ -13,8 +13,10 @@ from tokenswift.testing import tiny_model_for
 
 @pytest.fixture
 def own_cache(tmp_path, monkeypatch):
-    """An empty calibration cache, for this process and the children it starts."""
+    """An empty calibration cache, for this process and the children it starts, and the
+    default setting these tests are about (the rest of the suite calibrates here)."""
     monkeypatch.setenv("TOKENSWIFT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("TOKENSWIFT_CALIBRATE", "apart")
     return tmp_path / "cache"
 
 
