@@ -12,8 +12,9 @@ one shared prefill of the held-out prompt, in turns of 8 tokens (as ``bench
 --interleaved``), alternating the order each round, so that the machine's drift hits all
 alike. The first variant is the baseline of the ratios (give ``ar`` first). Prints a
 markdown table (tokens/s, ratio, tokens per step, steps that speculated, drafting passes
-per step); ``--out DIR`` writes it with the per-variant figures as ``turns.md`` and
-``turns.json``. Past the model's trained length the prompt's RoPE is scaled as ``bench
+per step, and the health of what each variant wrote: distinct-4 and recent self-NLL over
+its seeds); ``--out DIR`` writes it with the per-variant figures, each seed's text and
+health included, as ``turns.md`` and ``turns.json``. Past the model's trained length the prompt's RoPE is scaled as ``bench
 --contexts`` scales it.
 """
 
@@ -85,6 +86,8 @@ def run(variants: list[tuple[str, str, dict]], context: int, new_tokens: int, gr
             costs.calibration = attrs.evolve(costs.calibration, **table[CALIBRATION])
     prefilled = prefill_once(pipes, prompt, max(p.kv_capacity(len(prompt), new_tokens) for p in pipes.values()))
     totals = {label: collections.Counter() for label in pipes}
+    texts = {label: [] for label in pipes}  # per seed, what each variant wrote, and its health
+    healths = {label: [] for label in pipes}
     for seed in seeds:
         runs = {label: pipe.start(prompt, new_tokens, seed=seed, ignore_eos=True) for label, pipe in pipes.items()}
         steps = {}
@@ -109,6 +112,9 @@ def run(variants: list[tuple[str, str, dict]], context: int, new_tokens: int, gr
                     total["passes"] += bool(record.drafting_pass)
                 if len(generation.new_tokens) >= new_tokens or generation.finish_reason != "length":
                     active.remove(label)
+        for label, generation in runs.items():
+            texts[label].append(tokenizer.decode(generation.new_tokens))
+            healths[label].append(generation.health.health().summary())
     base = variants[0][0]
     base_rate = totals[base]["tokens"] / totals[base]["seconds"]
     rows = []
@@ -118,7 +124,8 @@ def run(variants: list[tuple[str, str, dict]], context: int, new_tokens: int, gr
         rows.append({"variant": label, "preset": preset, "overrides": table, "tokens_per_second": round(rate, 3),
                      "ratio": round(rate / base_rate, 3), "tokens_per_step": round(t["tokens"] / t["steps"], 3),
                      "speculated_steps": t["speculated"], "steps": t["steps"],
-                     "passes_per_step": round(t["passes"] / t["steps"], 3)})
+                     "passes_per_step": round(t["passes"] / t["steps"], 3),
+                     "health": healths[label], "texts": texts[label]})
     return {"machine": machine_name(next(model.parameters()).device), "context": context, "new_tokens": new_tokens,
             "greedy": greedy, "seeds": seeds, "rope": rope, "rows": rows}
 
@@ -128,13 +135,21 @@ def table(report: dict) -> str:
     lines = [f"{report['machine']}, bfloat16, compiled, {report['context']}-token prompt, {report['new_tokens']} new "
              f"tokens, seeds {' '.join(map(str, report['seeds']))}, "
              f"{'greedy' if report['greedy'] else 'the paper sampling'}", "",
-             f"| variant | preset, overrides | tok/s | vs {base} | tok/step | steps that speculated | passes/step |",
-             "|---|---|---|---|---|---|---|"]
+             f"| variant | preset, overrides | tok/s | vs {base} | tok/step | steps that speculated | passes/step | "
+             "distinct-4 | recent self-NLL |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         spec = r["preset"] + (f" {json.dumps(r['overrides'])}" if r["overrides"] else "")
         lines.append(f"| {r['variant']} | {spec} | {r['tokens_per_second']} | {r['ratio']}x | {r['tokens_per_step']} | "
-                     f"{r['speculated_steps']} / {r['steps']} | {r['passes_per_step']} |")
+                     f"{r['speculated_steps']} / {r['steps']} | {r['passes_per_step']} | "
+                     f"{_mean(r, 'distinct_4')} | {_mean(r, 'recent_self_nll')} |")
     return "\n".join(lines) + "\n"
+
+
+def _mean(row: dict, figure: str) -> str:
+    """A health figure of the row's texts, averaged over its seeds ("-" where none was measured)."""
+    values = [h[figure] for h in row.get("health", []) if h.get(figure) is not None]
+    return f"{sum(values) / len(values):.3f}" if values else "-"
 
 
 def main() -> None:

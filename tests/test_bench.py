@@ -199,3 +199,26 @@ def test_variant_turns_takes_a_calibration_table_and_names_an_unknown_field():
                            'warm=eagle:{"calibration": {"hed_ms": 0.7}}'], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "unknown calibration fields ['hed_ms']" in done.stderr and "head_ms" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_variant_turns_reports_the_health_of_what_each_variant_wrote():
+    """``benchmarks/variant_turns.py``'s table gives each variant's distinct-4 and recent
+    self-NLL over its seeds beside its speed (speed on degenerate text is not speed a user
+    gets), and "-" where a run measured none."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "variant_turns.py"
+    spec = importlib.util.spec_from_file_location("variant_turns", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    row = {"preset": "ar", "overrides": {}, "tokens_per_second": 10.0, "ratio": 1.0, "tokens_per_step": 1.0,
+           "speculated_steps": 0, "steps": 8, "passes_per_step": 0.0}
+    report = {"machine": "cpu", "context": 16, "new_tokens": 8, "seeds": [0, 1], "greedy": True, "rows": [
+        {**row, "variant": "ar", "health": [{"distinct_4": 1.0, "recent_self_nll": 2.0}, {"distinct_4": 0.5, "recent_self_nll": 3.0}]},
+        {**row, "variant": "eagle", "health": [{"distinct_4": None, "recent_self_nll": None}]},
+    ]}
+    lines = module.table(report).splitlines()
+    assert "distinct-4 | recent self-NLL |" in lines[2]
+    assert lines[4].endswith("| 0.750 | 2.500 |") and lines[5].endswith("| - | - |")
+
