@@ -67,4 +67,3 @@ def smollm2_conversion(tmp_path_factory):
         shared.parent.mkdir(parents=True, exist_ok=True)
         shared.symlink_to(converted, target_is_directory=True)
     return len(parses), converted
-

@@ -180,19 +180,26 @@ def test_a_benchmarks_drafter_overrides_keep_the_callers_options(preset, options
     assert getattr(pipe.drafter.options, added) == "random"
 
 
-def test_variant_turns_takes_a_calibration_table_and_names_an_unknown_field():
-    """``benchmarks/variant_turns.py``: a variant's ``calibration`` table (the fields its cost
-    model prices with) is kept apart from its spec sections; a misspelt field is a clear
-    error, before any model loads."""
+def _variant_turns():
+    """``benchmarks/variant_turns.py``: its path and the script loaded as a module."""
     import importlib.util
-    import subprocess
-    import sys
     from pathlib import Path
 
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "variant_turns.py"
     spec = importlib.util.spec_from_file_location("variant_turns", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return script, module
+
+
+def test_variant_turns_takes_a_calibration_table_and_names_an_unknown_field():
+    """``benchmarks/variant_turns.py``: a variant's ``calibration`` table (the fields its cost
+    model prices with) is kept apart from its spec sections; a misspelt field is a clear
+    error, before any model loads."""
+    import subprocess
+    import sys
+
+    script, module = _variant_turns()
     assert module.parse_variant('warm=eagle:{"calibration": {"head_ms": 0.7}}') == (
         "warm", "eagle", {"calibration": {"head_ms": 0.7}})
     done = subprocess.run([sys.executable, str(script), "--variant", "ar=ar", "--variant",
@@ -205,13 +212,7 @@ def test_variant_turns_reports_the_health_of_what_each_variant_wrote():
     """``benchmarks/variant_turns.py``'s table gives each variant's distinct-4 and recent
     self-NLL over its seeds beside its speed (speed on degenerate text is not speed a user
     gets), and "-" where a run measured none."""
-    import importlib.util
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "variant_turns.py"
-    spec = importlib.util.spec_from_file_location("variant_turns", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    _, module = _variant_turns()
     row = {"preset": "ar", "overrides": {}, "tokens_per_second": 10.0, "ratio": 1.0, "tokens_per_step": 1.0,
            "speculated_steps": 0, "steps": 8, "passes_per_step": 0.0}
     report = {"machine": "cpu", "context": 16, "new_tokens": 8, "seeds": [0, 1], "greedy": True, "rows": [
@@ -221,4 +222,3 @@ def test_variant_turns_reports_the_health_of_what_each_variant_wrote():
     lines = module.table(report).splitlines()
     assert "distinct-4 | recent self-NLL |" in lines[2]
     assert lines[4].endswith("| 0.750 | 2.500 |") and lines[5].endswith("| - | - |")
-

@@ -1,5 +1,6 @@
 """benchmarks/long_run.py on a tiny model: blocks, memory bound, plot, resume."""
 
+import functools
 import importlib.util
 import json
 import os
@@ -17,13 +18,18 @@ def run(*args):
     return subprocess.run([sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=300)
 
 
-def run_here(*args) -> int:
-    """The script's main in this process (a fresh interpreter costs ~6 s of imports on a
-    2-core CPU): for the runs whose resident memory the test does not read."""
+@functools.cache
+def _script():
     spec = importlib.util.spec_from_file_location("long_run_script", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.main(list(args))
+    return module
+
+
+def run_here(*args) -> int:
+    """The script's main in this process (a fresh interpreter costs ~6 s of imports on a
+    2-core CPU): for the runs whose resident memory the test does not read."""
+    return _script().main(list(args))
 
 
 def test_long_run_records_every_block_within_the_memory_bound(model_dir, tmp_path):

@@ -836,14 +836,12 @@ inline __m256 reduce8(const __m256* a) {
 
 // Values converted to float32 this many at a time into an L1 scratch (keys 8 at a time),
 // each block's rows prefetched kAvx2ValueAhead rows ahead (into L2), the keys'
-// kAvx2KeyAhead. Measured on a 2-core AMD EPYC Zen 3 (AVX2), 30 layers of bfloat16 KV,
-// a copy of this loop outside torch with every setting in turns (/tmp harness, same
-// outputs bit for bit): blocks of 16 values prefetched 32 rows ahead against 64 and 16
-// (the earlier setting) took 1 token over 8K keys 13.6-13.7 ms against 16.7-17.2, 2
-// tokens 27.7 against 33.0, 4 tokens 31.2-33.6 against 37.4-41.3; over 2K keys 1 / 2
-// tokens 3.8 / 5.8 against 4.3 / 7.0. The value pass was the slow one (its rows read
-// in bursts of 64 with the memory idle while they were summed); blocks of 8 or 32,
-// prefetch 24-64 rows, into L1, and rows or keys blocked in registers were all slower.
+// kAvx2KeyAhead. The value pass read its rows in bursts of 64 with the memory idle while
+// they were summed; blocks of 16 prefetched 32 ahead (against 64 and 16 before) took
+// 0.83-0.97x the time for 1-8 tokens over 2K-32K keys on a 2-core AMD EPYC Zen 3,
+// outputs equal bit for bit (benchmarks/attention_revisions.py; 30 layers of bfloat16
+// KV). Blocks of 8 or 32, prefetch 24-96 rows ahead or into L1, rows or keys blocked in
+// registers, and one fused pass with an online softmax were all slower there.
 constexpr int64_t kAvx2Block = 16;
 constexpr int64_t kAvx2KeyAhead = 16;
 constexpr int64_t kAvx2ValueAhead = 32;
