@@ -846,12 +846,114 @@ constexpr int64_t kAvx2Block = 16;
 constexpr int64_t kAvx2KeyAhead = 16;
 constexpr int64_t kAvx2ValueAhead = 32;
 
+// bfloat16 values on AVX2, widened in registers: 16 bfloat16 unpacked with zeros give
+// dims {0-3, 8-11} (unpacklo) and {4-7, 12-15} (unpackhi) as float32, exactly, with no
+// scratch copy. Each output element is still the same FMAs over the keys in key order,
+// so a row's result is the one the scratch path gave, bit for bit; only the order the
+// dims sit in the accumulators differs, undone at the chunk's end (unpermute_rows).
+constexpr int kUnpackedDim[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
+
+inline __m256 widen_lo(__m256i x) { return _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), x)); }
+inline __m256 widen_hi(__m256i x) { return _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), x)); }
+
+// Rows a (and b, with TWO) accumulate dims [32g, 32g + 32) of their outputs (unpacked
+// order) over blen value rows: four vectors each, eight FMA chains for two rows, each
+// chain one FMA per key.
+template <bool TWO>
+inline void values_32(const float* pa, const float* pb, const c10::BFloat16* v, int64_t stride, int64_t blen, float* oa,
+                      float* ob) {
+  __m256 a[4], b[4];
+  for (int t = 0; t < 4; ++t) {
+    a[t] = _mm256_loadu_ps(oa + 8 * t);
+    if (TWO) b[t] = _mm256_loadu_ps(ob + 8 * t);
+  }
+  for (int64_t j = 0; j < blen; ++j) {
+    const __m256 wa = _mm256_broadcast_ss(pa + j);
+    __m256 wb;
+    if (TWO) wb = _mm256_broadcast_ss(pb + j);
+    const __m256i* row = reinterpret_cast<const __m256i*>(v + j * stride);
+    const __m256i x0 = _mm256_loadu_si256(row), x1 = _mm256_loadu_si256(row + 1);
+    const __m256 e[4] = {widen_lo(x0), widen_hi(x0), widen_lo(x1), widen_hi(x1)};
+    for (int t = 0; t < 4; ++t) {
+      a[t] = _mm256_fmadd_ps(wa, e[t], a[t]);
+      if (TWO) b[t] = _mm256_fmadd_ps(wb, e[t], b[t]);
+    }
+  }
+  for (int t = 0; t < 4; ++t) {
+    _mm256_storeu_ps(oa + 8 * t, a[t]);
+    if (TWO) _mm256_storeu_ps(ob + 8 * t, b[t]);
+  }
+}
+
+// One row over dims [64g, 64g + 64) (unpacked order): eight FMA chains, as two rows
+// over 32 dims give (one row over 32 dims leaves the FMA units waiting on four chains).
+inline void values_64(const float* p, const c10::BFloat16* v, int64_t stride, int64_t blen, float* o) {
+  __m256 a[8];
+  for (int t = 0; t < 8; ++t) a[t] = _mm256_loadu_ps(o + 8 * t);
+  for (int64_t j = 0; j < blen; ++j) {
+    const __m256 w = _mm256_broadcast_ss(p + j);
+    const __m256i* row = reinterpret_cast<const __m256i*>(v + j * stride);
+    for (int h = 0; h < 4; ++h) {
+      const __m256i x = _mm256_loadu_si256(row + h);
+      a[2 * h] = _mm256_fmadd_ps(w, widen_lo(x), a[2 * h]);
+      a[2 * h + 1] = _mm256_fmadd_ps(w, widen_hi(x), a[2 * h + 1]);
+    }
+  }
+  for (int t = 0; t < 8; ++t) _mm256_storeu_ps(o + 8 * t, a[t]);
+}
+
+// The value pass of an AVX2 chunk over bfloat16 values: blocks of kAvx2Block keys,
+// prefetched kAvx2ValueAhead rows ahead into L1, rows in pairs over 32 dims at a time
+// (an odd row alone over 64).
+// Against widening each block into a float32 scratch first (the path below, which float32
+// values and chunks of fewer rows keep): 0.86-0.96x the time of 2-8 tokens over 2K-32K
+// keys (30 layers) on a 2-core AMD EPYC Zen 3 (benchmarks/attention_revisions.py, in
+// turns, median of 9-15). Each element is the same FMAs in the same order as there: the
+// unthresholded build's outputs equalled the scratch path's bit for bit; this one's
+// differ from the build before it by <= 1.2e-7, in every path (the compiler contracts
+// other code differently under -ffp-contract=fast).
+// Rows from which the value pass takes values_avx2_bf16: one token of 9 query heads over
+// 3 KV heads (3 rows) read 1.02-1.06x the time that way, in the same turns as above.
+constexpr int64_t kAvx2PairedRows = 4;
+
+template <int64_t D>
+void values_avx2_bf16(const float* logits, int64_t R, int64_t len, const c10::BFloat16* v, int64_t stride, float* out) {
+  for (int64_t b0 = 0; b0 < len; b0 += kAvx2Block) {
+    const int64_t blen = std::min(kAvx2Block, len - b0);
+    for (int64_t j = 0; j < blen; ++j) {
+      const char* next = reinterpret_cast<const char*>(v + (b0 + j + kAvx2ValueAhead) * stride);
+      for (int64_t b = 0; b < D * 2; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
+    }
+    const int64_t pairs = R / 2 * 2;
+    for (int64_t g = 0; g < D; g += 32)
+      for (int64_t r = 0; r < pairs; r += 2)
+        values_32<true>(logits + r * len + b0, logits + (r + 1) * len + b0, v + b0 * stride + g, stride, blen,
+                        out + r * D + g, out + (r + 1) * D + g);
+    if (pairs < R) {  // the odd row: 64 dims at a time where the head has them
+      const float* p = logits + pairs * len + b0;
+      float* o = out + pairs * D;
+      int64_t g = 0;
+      for (; g + 64 <= D; g += 64) values_64(p, v + b0 * stride + g, stride, blen, o + g);
+      if (g < D) values_32<false>(p, nullptr, v + b0 * stride + g, stride, blen, o + g, nullptr);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {  // each 16 dims back from the unpacked order
+    float* o = out + r * D;
+    for (int64_t s = 0; s < D; s += 16) {
+      float slice[16];
+      for (int i = 0; i < 16; ++i) slice[kUnpackedDim[i]] = o[s + i];
+      std::memcpy(o + s, slice, sizeof(slice));
+    }
+  }
+}
+
 // An unmasked chunk on AVX2+FMA, head dim NV8 * 8, float32 accumulation. Keys in blocks
 // of 8 converted once for all rows; each row's 8 logits are 8 FMA chains reduced
 // together (reduce8) instead of one horizontal sum per key. Values in blocks of
-// kAvx2Block converted once; each row accumulates its output in registers over the
-// block (up to 8 vectors at a time) instead of loading and storing it at every key.
-// A row's result is the same instructions whatever rows share the call. Measured on a
+// kAvx2Block, widened in registers for bfloat16 chunks of kAvx2PairedRows+ rows
+// (values_avx2_bf16), else converted once into a scratch; each row accumulates its output
+// in registers over the block instead of loading and storing it at every key. A row's
+// result is the same FMAs in the same order whatever rows share the call. Measured on a
 // 2-core AMD EPYC Zen 4 built for AVX2 alone (-march=haswell: the AVX2 machines' path),
 // 30 layers of bfloat16 KV, against chunk_simd (one horizontal sum per row and key, the
 // output loaded and stored at every key): over 32K keys 1 / 2 / 4 / 8 tokens 44-46 /
@@ -884,6 +986,12 @@ void chunk_avx2(const float* q, int64_t R, const scalar_t* k, const scalar_t* v,
     }
   }
   exponentiate_rows(logits, R, len, D, max_out, sum_out, out);
+  if constexpr (std::is_same<scalar_t, c10::BFloat16>::value && D % 32 == 0) {
+    if (R >= kAvx2PairedRows) {
+      values_avx2_bf16<D>(logits, R, len, v + start * stride, stride, out);
+      return;
+    }
+  }
   constexpr int TV = NV8 < 8 ? NV8 : 8;  // output vectors held in registers at a time
   for (int64_t b0 = 0; b0 < len; b0 += kAvx2Block) {
     const int64_t blen = std::min(kAvx2Block, len - b0);
