@@ -14,7 +14,9 @@ alike. The first variant is the baseline of the ratios (give ``ar`` first). Prin
 markdown table (tokens/s, ratio, tokens per step, steps that speculated, drafting passes
 per step, and the health of what each variant wrote: distinct-4 and recent self-NLL over
 its seeds); ``--out DIR`` writes it with the per-variant figures, each seed's text and
-health included, as ``turns.md`` and ``turns.json``. Past the model's trained length the prompt's RoPE is scaled as ``bench
+health included, as ``turns.md`` and ``turns.json``; ``--saved-prefill FILE`` keeps the
+prompt's prefill in FILE for the next run (checked against the prompt, the model and its
+RoPE). Past the model's trained length the prompt's RoPE is scaled as ``bench
 --contexts`` scales it.
 """
 
@@ -68,7 +70,7 @@ def parse_variant(text: str) -> tuple[str, str, dict]:
 
 
 def run(variants: list[tuple[str, str, dict]], context: int, new_tokens: int, greedy: bool, seeds: list[int],
-        trained: int = 8192) -> dict:
+        trained: int = 8192, saved_prefill: Path | None = None) -> dict:
     rope = auto_rope(trained, context + new_tokens + 64) if context + new_tokens + 64 > trained else None
     model, tokenizer = load_model(ModelSpec(path="smollm2", dtype="bfloat16", rope=rope))
     prompt = prompt_tokens_for(tokenizer, context, None)
@@ -84,7 +86,8 @@ def run(variants: list[tuple[str, str, dict]], context: int, new_tokens: int, gr
         if table.get(CALIBRATION):
             costs = pipes[label].costs()
             costs.calibration = attrs.evolve(costs.calibration, **table[CALIBRATION])
-    prefilled = prefill_once(pipes, prompt, max(p.kv_capacity(len(prompt), new_tokens) for p in pipes.values()))
+    capacity = max(p.kv_capacity(len(prompt), new_tokens) for p in pipes.values())
+    prefilled = prefill_once(pipes, prompt, capacity, saved=saved_prefill)
     totals = {label: collections.Counter() for label in pipes}
     texts = {label: [] for label in pipes}  # per seed, what each variant wrote, and its health
     healths = {label: [] for label in pipes}
@@ -161,6 +164,9 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--greedy", action="store_true")
     parser.add_argument("--out", type=Path, default=None, help="directory for turns.md and turns.json")
+    parser.add_argument("--saved-prefill", type=Path, default=None, metavar="FILE",
+                        help="a safetensors file: the prompt's prefill read from there when it holds this one's, "
+                             "else computed and written there (a 32K prefill: minutes saved in every later run)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if len(args.variant) < 2:
@@ -175,7 +181,7 @@ def main() -> None:
     if len(set(labels)) != len(labels):
         parser.error(f"--variant labels must differ, got {labels}")
     try:
-        report = run(variants, args.context, args.new_tokens, args.greedy, args.seeds)
+        report = run(variants, args.context, args.new_tokens, args.greedy, args.seeds, saved_prefill=args.saved_prefill)
     except SpecError as exc:
         parser.error(f"a variant's spec is invalid: {exc}")
     text = table(report)

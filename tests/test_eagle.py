@@ -358,6 +358,48 @@ def test_a_shared_prefill_hands_each_drafter_the_layers_it_reads(tmp_path):
             [c for b in expected for c in b.confidence], rel=1e-9), name
 
 
+def test_a_saved_prefill_is_read_back_only_for_its_own_prompt_and_model(tmp_path, monkeypatch, caplog):
+    """``prefill_once(..., saved=FILE)`` (``variant_turns.py --saved-prefill``): the first
+    call computes and writes the prefill; a later one reads it back without a forward and
+    runs emit exactly what they emit from a fresh prefill; another prompt, or another
+    model, computes again (with a warning) instead of taking the file's."""
+    from tokenswift.model.runner import Runner
+    from tokenswift.tools.interleaved import prefill_once
+
+    computed = []
+    original = Runner.prefill_prompt
+    monkeypatch.setattr(Runner, "prefill_prompt", lambda self, p, **kw: computed.append(len(p)) or original(self, p, **kw))
+    model = tiny_model_for("llama-gqa", "float64")
+    pipes = {"eagle": Pipeline.from_spec({"preset": "eagle", "drafter": {"weights": decisive_net(model, tmp_path / "a", fused=(1,))}}, model)}
+    prompt, saved = [5, 9, 17, 3, 8, 2, 11], tmp_path / "prefill.safetensors"
+    fresh = prefill_once(pipes, prompt, 64, saved=saved)
+    again = prefill_once(pipes, prompt, 64, saved=saved)
+    assert computed == [7] and saved.exists()
+    assert again.tokens == fresh.tokens and again.layers == fresh.layers == (1,)
+    assert all(torch.equal(a, b) for a, b in zip(again.keys + again.values, fresh.keys + fresh.values))
+    assert torch.equal(again.hidden, fresh.hidden)
+    pipe = pipes["eagle"]
+    texts = []
+    for prefilled in (fresh, again):
+        run = pipe.start(prompt, 12, seed=0, ignore_eos=True)
+        run.prefill(prefilled)
+        for _ in run.steps():
+            pass
+        texts.append(list(run.new_tokens))
+    assert texts[0] == texts[1] == pipe.generate(prompt, 12, seed=0, ignore_eos=True).tokens
+    with caplog.at_level("WARNING"):
+        prefill_once(pipes, prompt[:-1] + [12], 64, saved=saved)  # another prompt
+    assert computed == [7, 7] and "holds another prefill" in caplog.text
+    caplog.clear()
+    plain, other = tmp_path / "plain.safetensors", tiny_model_for("llama-gqa", "float64", seed=7)
+    prefill_once({"ar": Pipeline.from_spec("ar", model)}, prompt, 64, saved=plain)
+    prefill_once({"ar": Pipeline.from_spec("ar", model)}, prompt, 64, saved=plain)
+    assert computed == [7, 7, 7] and not caplog.text
+    with caplog.at_level("WARNING"):
+        prefill_once({"ar": Pipeline.from_spec("ar", other)}, prompt, 64, saved=plain)  # another model
+    assert computed == [7, 7, 7, 7] and "holds another prefill" in caplog.text
+
+
 def test_layers_a_model_does_not_have_are_clear_errors(tmp_path):
     model = tiny_model_for("llama-gqa", "float64")  # two decoder layers: only layer 1's output is inner
     net = FeatureNet.for_model(model).initialise()

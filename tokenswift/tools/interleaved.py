@@ -10,15 +10,22 @@ order of the turns is reversed every round, so no method always follows another.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 import attrs
+import torch
 
 from tokenswift.compiling import compile_calibration_for_trees, compile_trees_now
 from tokenswift.model.runner import PrefilledPrompt
 from tokenswift.stats import StatsCollector
 from tokenswift.tools.bench import preset_pipeline
+
+logger = logging.getLogger(__name__)
 
 
 @attrs.frozen(kw_only=True)
@@ -36,14 +43,75 @@ class InterleavedResult:
         return self.tokens_per_second / other.tokens_per_second if other.tokens_per_second else 0.0
 
 
-def prefill_once(pipelines: dict, prompt: list[int], capacity: int) -> PrefilledPrompt:
+def prefill_once(pipelines: dict, prompt: list[int], capacity: int, saved: Path | None = None) -> PrefilledPrompt:
     """Prefill ``prompt`` once, in the first pipeline's runner (sized for the runs), with
-    the prompt features the most demanding drafter wants (of every layer any reads)."""
+    the prompt features the most demanding drafter wants (of every layer any reads).
+    With ``saved`` (a safetensors file): the prefill read from there when it holds this
+    prompt's, for this model (weights, dtype and RoPE) and these features, else computed
+    and written there (a 32K-token prefill takes ~8 minutes on a 2-core AVX2 machine,
+    reading it back seconds)."""
     first = next(iter(pipelines.values()))
     wanted = max(max(1, pipe.drafter.prompt_features) for pipe in pipelines.values())
     layers = tuple(sorted({k for pipe in pipelines.values() for k in pipe.drafter.feature_layers}))
     first.runner.allocate(capacity)
-    return first.runner.prefill_prompt(prompt, keep_hidden=wanted, layers=layers)
+    identity = _prefill_identity(first.runner.model, prompt, wanted, layers)
+    if saved is not None and Path(saved).exists():
+        loaded = _read_prefill(Path(saved), first.runner.model, identity)
+        if loaded is not None:
+            return loaded
+        logger.warning("%s holds another prefill (prompt, model or features differ): computing it again", saved)
+    prefilled = first.runner.prefill_prompt(prompt, keep_hidden=wanted, layers=layers)
+    if saved is not None:
+        _write_prefill(Path(saved), prefilled, identity)
+    return prefilled
+
+
+def _prefill_identity(model, prompt: list[int], wanted: int, layers: tuple[int, ...]) -> str:
+    """What a saved prefill must match: the model's weights (fingerprint), dtype and RoPE
+    scaling, the prompt's ids, the features kept."""
+    from tokenswift.drafters.draft_heads import model_fingerprint
+
+    config = model.config
+    rope = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None)
+    text = json.dumps({"model": model_fingerprint(model), "dtype": str(next(model.parameters()).dtype),
+                       "rope": rope, "layers": list(layers), "hidden": wanted}, sort_keys=True, default=str)
+    digest = hashlib.sha256(text.encode())
+    digest.update(torch.tensor(prompt, dtype=torch.int64).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _write_prefill(path: Path, prefilled: PrefilledPrompt, identity: str) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {f"keys.{i}": k.contiguous() for i, k in enumerate(prefilled.keys)}
+    tensors.update({f"values.{i}": v.contiguous() for i, v in enumerate(prefilled.values)})
+    if prefilled.hidden is not None:
+        tensors["hidden"] = prefilled.hidden.contiguous()
+    tensors["tokens"] = torch.tensor(prefilled.tokens, dtype=torch.int64)
+    metadata = {"identity": identity, "seconds": repr(prefilled.seconds), "layers": json.dumps(list(prefilled.layers))}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    save_file(tensors, str(partial), metadata=metadata)
+    partial.replace(path)
+    logger.info("prefill saved to %s", path)
+
+
+def _read_prefill(path: Path, model, identity: str) -> PrefilledPrompt | None:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = handle.metadata() or {}
+    if metadata.get("identity") != identity:
+        return None
+    tensors = load_file(str(path))
+    count = sum(1 for name in tensors if name.startswith("keys."))
+    logger.info("prefill read from %s", path)
+    return PrefilledPrompt(
+        tokens=tuple(tensors["tokens"].tolist()), keys=[tensors[f"keys.{i}"] for i in range(count)],
+        values=[tensors[f"values.{i}"] for i in range(count)], hidden=tensors.get("hidden"), model=model,
+        seconds=float(metadata["seconds"]), layers=tuple(json.loads(metadata["layers"])),
+    )
 
 
 def run_interleaved(
