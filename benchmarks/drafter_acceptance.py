@@ -1,11 +1,12 @@
 """Tokens per step when every candidate is verified (fixed trees, at most 64 nodes): how
 good the drafts are, apart from what they cost here.
 
-    python benchmarks/drafter_acceptance.py [--new-tokens 512] [--dtype float32]
+    python benchmarks/drafter_acceptance.py [--new-tokens 512] [--prompt-tokens 2048] [--dtype float32]
         [--presets eagle,tokenswift] [--drafters-alone] [--out DIR]
 
-The held-out 2,048-token prompt (the bundled *Wuthering Heights*, never trained on),
-seed 0, with the presets' penalty; greedy decoding, and the paper's sampling (T = 1,
+The held-out 2,048-token prompt (the bundled *Wuthering Heights*, never trained on;
+``--prompt-tokens`` more of it, past 8,192 with the RoPE scaled by YaRN as ``bench
+--contexts`` scales it), seed 0, with the presets' penalty; greedy decoding, and the paper's sampling (T = 1,
 min-p 0.1) with each sampler: ``keyed`` (the default: Gumbel-max with noise keyed by
 position and token, the drafters rank by log q plus the same noise), ``coupled`` (the
 same law, a Philox vector per position) and ``inverse-cdf`` (the sampler before them,
@@ -31,6 +32,9 @@ from tokenswift.machine import machine_name
 from tokenswift.model.loading import load_model
 from tokenswift.prompts import prompt_ids
 from tokenswift.spec import ModelSpec
+from tokenswift.tools.contexts import auto_rope
+
+TRAINED = 8192  # SmolLM2-135M's trained context (max_position_embeddings)
 
 DECODINGS = {
     "greedy": {"greedy": True},
@@ -80,7 +84,9 @@ def main() -> None:
     parser.add_argument("--decodings", default=",".join(DECODINGS), help=f"comma-separated, of {list(DECODINGS)}")
     parser.add_argument("--out", default="benchmarks/results/drafter-acceptance")
     args = parser.parse_args()
-    model, tokenizer = load_model(ModelSpec(path="smollm2", dtype=args.dtype))
+    # Past the model's trained length the RoPE is scaled as `bench --contexts` scales it.
+    rope = auto_rope(TRAINED, args.prompt_tokens + args.new_tokens + 64)
+    model, tokenizer = load_model(ModelSpec(path="smollm2", dtype=args.dtype, rope=rope))
     prompt = prompt_ids(tokenizer, args.prompt_tokens)
     rows = []
     for decoding_name in args.decodings.split(","):
@@ -100,26 +106,31 @@ def main() -> None:
                 # the share of steps that accepted at least d drafted tokens, d = 1..6
                 "accepted_to_depth": [round(r, 3) for r in reached],
                 "seconds": round(time.perf_counter() - started, 1),
+                # what it wrote, and how healthy that is (speed on degenerate text is no speed)
+                "health": stats.health.summary() if stats.health is not None else {},
+                "text": result.text,
             })
-            print(rows[-1], flush=True)
+            print({k: v for k, v in rows[-1].items() if k != "text"}, flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     info = {
         "machine": machine_name(torch.device("cpu")), "python": platform.python_version(), "torch": torch.__version__,
         "dtype": args.dtype, "new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens,
         "max_nodes": args.max_nodes, "drafters_alone": args.drafters_alone, "eagle_weights": args.eagle_weights or "shipped", "heads": args.heads or "shipped",
-        "drafter_options": args.drafter_options or {},
+        "drafter_options": args.drafter_options or {}, "rope": rope,
     }
     (out / "acceptance.json").write_text(json.dumps({"info": info, "rows": rows}, indent=2) + "\n")
     lines = ["| decoding | preset | tokens/step | steps accepting >= 1 / 2 / 3 / 4 drafts | nodes verified per step "
-             "| retriever share |", "|---|---|---|---|---|---|"]
+             "| retriever share | distinct-4 | recent self-NLL |", "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['decoding']} | {r['preset']} | {r['tokens_per_step']} | "
               f"{' / '.join(f'{a:.2f}' for a in r['accepted_to_depth'][:4])} | {r['nodes_verified_per_step']} | "
-              f"{r['retriever_share']} |" for r in rows]
+              f"{r['retriever_share']} | {r['health'].get('distinct_4', '-')} | {r['health'].get('recent_self_nll', '-')} |"
+              for r in rows]
     what = "drafters alone (no reuse, full cache)" if args.drafters_alone else "presets as shipped"
     (out / "acceptance.md").write_text(
         "\n".join(lines) + f"\n\n{info['machine']}, {args.dtype}, {what}, fixed trees (at most {args.max_nodes} nodes), "
-        f"held-out {args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, seed 0\n"
+        f"held-out {args.prompt_tokens}-token prompt{f' (RoPE {rope})' if rope else ''}, {args.new_tokens} new tokens, "
+        "seed 0; each row's text is in acceptance.json\n"
     )
     print("\n".join(lines))
 
