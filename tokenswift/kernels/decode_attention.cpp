@@ -850,7 +850,7 @@ constexpr int64_t kAvx2ValueAhead = 32;
 // dims {0-3, 8-11} (unpacklo) and {4-7, 12-15} (unpackhi) as float32, exactly, with no
 // scratch copy. Each output element is still the same FMAs over the keys in key order,
 // so a row's result is the one the scratch path gave, bit for bit; only the order the
-// dims sit in the accumulators differs, undone at the chunk's end (unpermute_rows).
+// dims sit in the accumulators differs, undone at the end of values_avx2_bf16.
 constexpr int kUnpackedDim[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
 
 inline __m256 widen_lo(__m256i x) { return _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), x)); }
@@ -904,16 +904,17 @@ inline void values_64(const float* p, const c10::BFloat16* v, int64_t stride, in
 
 // The value pass of an AVX2 chunk over bfloat16 values: blocks of kAvx2Block keys,
 // prefetched kAvx2ValueAhead rows ahead into L1, rows in pairs over 32 dims at a time
-// (an odd row alone over 64).
-// Against widening each block into a float32 scratch first (the path below, which float32
-// values and chunks of fewer rows keep): 0.86-0.96x the time of 2-8 tokens over 2K-32K
-// keys (30 layers) on a 2-core AMD EPYC Zen 3 (benchmarks/attention_revisions.py, in
-// turns, median of 9-15). Each element is the same FMAs in the same order as there: the
-// unthresholded build's outputs equalled the scratch path's bit for bit; this one's
-// differ from the build before it by <= 1.2e-7, in every path (the compiler contracts
+// (an odd row alone over 64). Against widening each block into a float32 scratch first
+// (the path in chunk_avx2, which float32 values and chunks of fewer rows keep): 0.83-0.95x
+// the time of 2-8 tokens over 2K-32K keys in most cells (30 layers, a 2-core AMD EPYC
+// Zen 3; benchmarks/attention_revisions.py, in turns, median of 9-15;
+// benchmarks/results/avx2-zen3-s23). Each element is the same FMAs in the same order as
+// there: a build without the threshold below gave outputs equal bit for bit; this one's
+// differ from the build before it by <= 1.2e-7 in every path (the compiler contracts
 // other code differently under -ffp-contract=fast).
-// Rows from which the value pass takes values_avx2_bf16: one token of 9 query heads over
-// 3 KV heads (3 rows) read 1.02-1.06x the time that way, in the same turns as above.
+//
+// The fewest rows that take values_avx2_bf16: one token of 9 query heads over 3 KV heads
+// (3 rows) read 1.02-1.06x the time that way, in the same turns.
 constexpr int64_t kAvx2PairedRows = 4;
 
 template <int64_t D>
