@@ -43,22 +43,27 @@ def smollm2_conversion(tmp_path_factory):
     """The packaged demo model's GGUF file converted once a session (~25-35 s on two
     cores), in a cache of its own with the file's parses counted, then linked into the
     session's cache, where every later load of ``smollm2`` finds it. Returns (parses,
-    converted directory). Tests that load the model use it, so that the suite converts
+    tensor-name maps built, converted directory). Tests that load the model use it, so that the suite converts
     once, not once per test file."""
     import gguf
 
     from tokenswift.model import loading
 
-    parses = []
+    parses, name_maps = [], []
 
     class CountedReader(gguf.GGUFReader):
         def __init__(self, *args, **kwargs):
             parses.append(args)
             super().__init__(*args, **kwargs)
 
+    def counted_name_map(*args, original=gguf.get_tensor_name_map):
+        name_maps.append(args)
+        return original(*args)
+
     own = tmp_path_factory.mktemp("smollm2-cache")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(gguf, "GGUFReader", CountedReader)
+        patch.setattr(gguf, "get_tensor_name_map", counted_name_map)
         patch.setenv("TOKENSWIFT_CACHE", str(own))
         converted = loading._converted_gguf(loading.PACKAGED_MODELS["smollm2"].locate())
     assert converted is not None
@@ -66,4 +71,4 @@ def smollm2_conversion(tmp_path_factory):
     if not shared.exists():
         shared.parent.mkdir(parents=True, exist_ok=True)
         shared.symlink_to(converted, target_is_directory=True)
-    return len(parses), converted
+    return len(parses), len(name_maps), converted

@@ -97,8 +97,9 @@ def test_packaged_gguf_model_loads_and_generates(smollm2_conversion, monkeypatch
     import gguf
 
     # the file parsed once for the config, the weights and the tokenizer (not three times: ~7 s each)
-    parses, converted = smollm2_conversion
+    parses, name_maps, converted = smollm2_conversion
     assert parses == 1
+    assert name_maps == 1  # one tensor-name map for the architecture, not one per module (~400, ~4 s)
     assert (converted / "model.safetensors").is_file() and (converted / "tokenizer.json").is_file()
     # converted once, then loaded from the cache: no parse of the file again
     monkeypatch.setattr(gguf, "GGUFReader", lambda *args, **kwargs: pytest.fail(f"the GGUF file parsed again: {args}"))

@@ -165,26 +165,37 @@ def _gguf_parsed_once():
     once for the tokenizer (``gguf.GGUFReader`` each time, looked up at the call); each
     parse reads every metadata array (49,152 tokens, their merges) element by element in
     Python: 6.3-7.6 s of a 35 s conversion of SmolLM2-135M on a 2-core AMD EPYC Zen 3.
-    The readers only read the file (a read-only memory map), so one serves all three."""
+    The readers only read the file (a read-only memory map), so one serves all three.
+
+    So with the tensor-name maps of an architecture: transformers builds one for each of
+    the model's ~400 modules as it walks them (``gguf.get_tensor_name_map``, looked up
+    at the call; each map a ~10,000-entry dict, ~10 ms), though they only differ by
+    (architecture, layers) and are only read: ~4 s of a conversion of SmolLM2-135M."""
     try:
         import gguf
     except ImportError:  # transformers says what is missing when it needs it
         yield
         return
-    original = gguf.GGUFReader
+    original_reader, original_map = gguf.GGUFReader, gguf.get_tensor_name_map
     readers: dict[tuple, Any] = {}
+    name_maps: dict[tuple, Any] = {}
 
     def shared_reader(path, *args, **kwargs):
         key = (os.path.realpath(os.fspath(path)), args, tuple(sorted(kwargs.items())))
         if key not in readers:
-            readers[key] = original(path, *args, **kwargs)
+            readers[key] = original_reader(path, *args, **kwargs)
         return readers[key]
 
-    gguf.GGUFReader = shared_reader
+    def shared_name_map(arch, n_blocks):
+        if (arch, n_blocks) not in name_maps:
+            name_maps[arch, n_blocks] = original_map(arch, n_blocks)
+        return name_maps[arch, n_blocks]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, shared_name_map
     try:
         yield
     finally:
-        gguf.GGUFReader = original
+        gguf.GGUFReader, gguf.get_tensor_name_map = original_reader, original_map
 
 
 def _converted_gguf(path: Path) -> Path | None:
