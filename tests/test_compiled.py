@@ -262,7 +262,10 @@ def test_a_compile_failing_at_the_first_forward_leaves_the_cost_model_predicting
     run = pipe.start([1, 2, 3], 8, seed=0)
     costs = run.setup.speculator.costs
     eager = costs.calibration.forward_seconds(1, 64)
-    assert run.setup.compiled and costs.forward_seconds(1, 64) == pytest.approx(0.5 * eager * costs.scale)
+    # priced at the compiled time measured (1.2 ms at 64 positions, between 16 and 256),
+    # less the LM-head row it included (as this machine's calibration timed it)
+    compiled = max(0.0012 - costs.calibration.head_ms / 1000, 0.2 * eager)
+    assert run.setup.compiled and costs.forward_seconds(1, 64) == pytest.approx(compiled * costs.scale)
     records = list(run.steps())
     assert len(records) == 8 and pipe.runner.compiled is None and not run.compiled
     # eager again, as the forwards are (corrected by what they measured at their size)
@@ -345,6 +348,7 @@ def test_calibrate_compares_compiled_and_eager_steps(model_dir, tmp_path, monkey
     assert code == 0, err
     assert "one-token step (forward + LM-head row), ms, eager vs compiled:" in out and "context 256: eager" in out
     assert "tree verify forward at context" in out and all(f"  {size} tokens: eager" in out for size in (4, 8, 16, 32))
+    assert "a one-token step compiled at context 8192: " in out  # beside the trees' far times: their ratio is measured
     assert len(list((tmp_path / "calibration").glob("*-compile.json"))) == 1
     code = main(["calibrate", "--model", str(model_dir), "--dtype", "float32", "--compile", "--show"])
     shown, _ = capsys.readouterr()
@@ -624,6 +628,48 @@ def test_a_tree_timed_at_two_contexts_is_priced_along_its_own_growth():
     old = {k: v for k, v in measured.to_dict().items() if not k.startswith("tree_far")}
     loaded = CompileCalibration.from_dict(old)
     assert loaded.tree_far_compiled_ms == () and loaded.tree_compiled_seconds_at(4, 32768) is None
+
+
+def test_a_one_token_step_is_priced_from_the_compiled_times_the_trees_are_priced_from():
+    """A compiled one-token forward is priced at the compile calibration's compiled time,
+    less the LM-head row it includes, whatever its eager times were (a noisy eager time
+    at 2K halved the one-token price against the trees' and no tree was verified); past
+    the last context along its time at the far context, or without one, continuously
+    along the eager curve scaled by compiled/eager; without the head's time, as before."""
+    import attrs
+
+    from tokenswift.compiling import CompileCalibration
+    from tokenswift.costs import CostModel
+    from tests.test_speculation import calibration
+
+    noisy = CompileCalibration(
+        key="k", machine="m", contexts=(256, 2048), eager_ms=(20.0, 40.0), compiled_ms=(10.0, 13.0), compile_seconds=1.0,
+        tree_sizes=(2, 4), tree_eager_ms=(30.0, 32.0), tree_compiled_ms=(14.0, 16.0),
+        tree_far_context=8192, tree_far_compiled_ms=(20.0, 26.0), far_compiled_ms=19.0,
+    )
+    with_head = attrs.evolve(calibration(2.0), head_ms=1.0)
+    costs = CostModel(with_head, compiled_size=lambda n: {1: 1, 2: 2, 3: 4, 4: 4}.get(n))
+    costs.use_compile_calibration(noisy)
+    assert costs.forward_seconds(1, 2048) == pytest.approx(0.012)  # 13 ms with the head row, less its 1 ms
+    assert costs.forward_seconds(1, 1152) == pytest.approx(0.0105)  # between the measured contexts
+    assert costs.forward_seconds(2, 2048) / costs.forward_seconds(1, 2048) == pytest.approx(14 / 12)
+    assert costs.forward_seconds(1, 8192) == pytest.approx(0.018)  # the far time, less the head row
+    assert costs.forward_seconds(1, 14336) == pytest.approx(0.012 + 0.006 * 2)  # along its own growth
+    # a record without the far time: past 2K, moved along the scaled eager curve from its 2K price
+    near_only = attrs.evolve(noisy, far_compiled_ms=0.0)
+    costs.use_compile_calibration(near_only)
+    eager = CostModel(with_head)
+    scaled = lambda at: eager.forward_seconds(1, at) * near_only.factor(at)  # noqa: E731
+    assert costs.forward_seconds(1, 2048) == pytest.approx(0.012)
+    assert costs.forward_seconds(1, 4096) == pytest.approx(0.012 + scaled(4096) - scaled(2048))
+    # and without the head's time: the eager curve scaled by compiled/eager, as before
+    costs = CostModel(calibration(2.0), compiled_size=lambda n: {1: 1}.get(n))
+    costs.use_compile_calibration(noisy)
+    assert costs.forward_seconds(1, 2048) == pytest.approx(CostModel(calibration(2.0)).forward_seconds(1, 2048) * 13 / 40)
+    # a record written before the far one-token time loads without it
+    old = {k: v for k, v in noisy.to_dict().items() if k != "far_compiled_ms"}
+    loaded = CompileCalibration.from_dict(old)
+    assert loaded.far_compiled_ms == 0.0 and loaded.one_token_compiled_seconds_at(8192) is None
 
 
 def test_trees_compile_at_the_sizes_that_pay():

@@ -103,7 +103,10 @@ def tree_sizes_for(runner) -> tuple[int, ...]:
 @attrs.frozen(kw_only=True)
 class CompileCalibration(CachedRecord):
     """One-token forwards eager vs compiled on this machine, and what compiling took;
-    tree verify forwards of :data:`TREE_SIZES` tokens likewise (at the last context)."""
+    tree verify forwards of :data:`TREE_SIZES` tokens likewise (at the last context),
+    and compiled at a far context with a one-token step. The trees' and the far times
+    are each timed in turns with a compiled one-token step at the last context, and
+    kept relative to its time in :attr:`compiled_ms`."""
 
     FORMAT: ClassVar[str] = "tokenswift-compile-calibration/2"
     SUFFIX: ClassVar[str] = "-compile"
@@ -123,6 +126,7 @@ class CompileCalibration(CachedRecord):
     tree_compile_seconds: float = 0.0  # what compiling every tree size took
     tree_far_context: int = 0  # where the compiled trees were timed again (0: not)
     tree_far_compiled_ms: tuple[float, ...] = ()  # per tree size, compiled, at tree_far_context
+    far_compiled_ms: float = 0.0  # a compiled one-token step (with its LM-head row) at tree_far_context (0: not timed)
 
     @classmethod
     def from_dict(cls, data: dict) -> CompileCalibration:
@@ -131,7 +135,7 @@ class CompileCalibration(CachedRecord):
         from before trees were timed at a second context (priced as before)."""
         if data.get("format") == "tokenswift-compile-calibration/1":
             data = {**data, "format": cls.FORMAT, "tree_sizes": [], "tree_eager_ms": [], "tree_compiled_ms": []}
-        data = {"tree_far_context": 0, "tree_far_compiled_ms": [], **data}
+        data = {"tree_far_context": 0, "tree_far_compiled_ms": [], "far_compiled_ms": 0.0, **data}
         return super().from_dict(data)
 
     def tree_saving_seconds(self, size: int) -> float | None:
@@ -171,6 +175,22 @@ class CompileCalibration(CachedRecord):
         if near is None or far is None:
             return None
         return _extrapolate((self.contexts[-1], self.tree_far_context), (near, far), context) / 1000
+
+    def one_token_compiled_seconds_at(self, context: int) -> float | None:
+        """Seconds of a compiled one-token step (with its LM-head row) at ``context``
+        positions, from this calibration's compiled measurements alone: linear through
+        its contexts, past the last one through its time at :attr:`tree_far_context`
+        (None there: not timed at it). The trees' prices come from their compiled
+        measurements, so a one-token step's must too: priced as the eager curve times
+        compiled/eager, one noisy eager time (68.8 ms at 2K against 46.8 at 256, a
+        2-core AMD EPYC Zen 3) put a one-token step at half a 2-token tree's price
+        against 0.72 measured, and the tree choice verified nothing."""
+        last = self.contexts[-1]
+        if context <= last:
+            return _extrapolate(self.contexts, self.compiled_ms, context) / 1000
+        if self.far_compiled_ms <= 0 or self.tree_far_context <= last:
+            return None
+        return _extrapolate((last, self.tree_far_context), (self.compiled_ms[-1], self.far_compiled_ms), context) / 1000
 
     @property
     def paying_tree_sizes(self) -> tuple[int, ...]:
@@ -254,15 +274,29 @@ def measure_compile(runner, *, repeats: int = 5, tree_sizes: tuple[int, ...] | N
         runner.use_compiled_trees(tree_sizes)
         tree_steps = [tree_step(runner, contexts[-1], size) for size in tree_sizes]
         tree_compile_seconds = sum(compile_now(step) for step in tree_steps)
-        tree_ms = [eager_vs_compiled(step) for step in tree_steps]
+        # Every compiled time below is timed in turns with a compiled one-token step at
+        # the last context and kept relative to it (at its time measured above): the
+        # trees' prices against a one-token step's are ratios measured in turns, not
+        # times taken minutes apart on a host that drifts (a 2-core AMD EPYC Zen 3: a
+        # 2-token tree timed at 1.38x a one-token forward in one calibration and 1.08x
+        # in the next, against 1.24-1.30x in turns).
+        near, compiled_on = one_token_step(runner, contexts[-1]), lambda: runner.use_compiled(True)
+        tree_ms = []
+        for step in tree_steps:
+            ms = interleaved_ms({"eager": (lambda: runner.use_compiled(False), step), "compiled": (compiled_on, step),
+                                 "one token": (compiled_on, near)}, repeats)
+            relative = compiled_ms[-1] / ms["one token"]
+            tree_ms.append((round(ms["eager"] * relative, 3), round(ms["compiled"] * relative, 3)))
         tree_eager_ms, tree_compiled_ms = (tuple(m[0] for m in tree_ms), tuple(m[1] for m in tree_ms))
         far = max(TREE_FAR_CONTEXT, contexts[-1] + 1)
         runner.allocate(far + max((1, *tree_sizes)) + 1)
         runner.use_compiled(True)
-        tree_far_ms = tuple(
-            round(interleaved_ms({"compiled": (lambda: None, tree_step(runner, far, size))}, repeats)["compiled"], 3)
-            for size in tree_sizes
-        )
+        far_steps = {str(size): (compiled_on, tree_step(runner, far, size)) for size in tree_sizes}
+        ms = interleaved_ms({**far_steps, "one token": (compiled_on, one_token_step(runner, far)), "near": (compiled_on, near)},
+                            repeats)
+        relative = compiled_ms[-1] / ms["near"]
+        tree_far_ms = tuple(round(ms[str(size)] * relative, 3) for size in tree_sizes)
+        far_ms = round(ms["one token"] * relative, 3)
     finally:
         runner.use_compiled(False)
         runner.use_compiled_trees(())
@@ -272,6 +306,7 @@ def measure_compile(runner, *, repeats: int = 5, tree_sizes: tuple[int, ...] | N
         eager_ms=tuple(eager_ms), compiled_ms=tuple(compiled_ms), compile_seconds=round(compile_seconds, 2),
         tree_sizes=tuple(tree_sizes), tree_eager_ms=tuple(tree_eager_ms), tree_compiled_ms=tuple(tree_compiled_ms),
         tree_compile_seconds=round(tree_compile_seconds, 2), tree_far_context=far, tree_far_compiled_ms=tree_far_ms,
+        far_compiled_ms=far_ms,
     )
     logger.info(
         "compiled one-token steps: %s ms vs eager %s ms at contexts %s (compiling took %.1f s); "

@@ -68,7 +68,7 @@ class CostModel:
         eager = self.calibration.forward_seconds(nodes, context)
         size = self.compiled_size(nodes) if self.compile_calibration is not None else None
         if size == 1:
-            return eager * self.compile_calibration.factor(context)
+            return self._one_token_compiled(context, eager)
         if size is None:
             return eager
         along = self.compile_calibration.tree_compiled_seconds_at(size, context)
@@ -86,6 +86,23 @@ class CostModel:
         at = self.compile_calibration.contexts[-1]
         moved = self.calibration.forward_seconds(size, context) - self.calibration.forward_seconds(size, at)
         return max(measured + moved, 0.2 * eager)
+
+    def _one_token_compiled(self, context: int, eager: float) -> float:
+        """A compiled one-token forward at ``context``: the compile calibration's own
+        compiled time less the LM-head row it included (the trees' prices are their
+        compiled times too: the ratio between them is measured, not the product of
+        two calibrations); past its last context, where it has no time at a second
+        one, moved along the eager curve scaled by compiled/eager. Without the head's
+        time: that scaled eager curve throughout."""
+        calibration, head = self.compile_calibration, self.calibration.head_ms
+        scaled = lambda at: self.calibration.forward_seconds(1, at) * calibration.factor(at)  # noqa: E731
+        if head is None:
+            return eager * calibration.factor(context)
+        measured = calibration.one_token_compiled_seconds_at(context)
+        if measured is None:  # past the last context, not timed at a second one
+            last = calibration.contexts[-1]
+            measured = calibration.one_token_compiled_seconds_at(last) + scaled(context) - scaled(last)
+        return max(measured - head / 1000, 0.2 * eager)
 
     def forward_seconds(self, nodes: int, context: int) -> float:
         return self._predicted(nodes, context) * self.scale * self.size_factor(nodes)

@@ -87,6 +87,8 @@ def show_compile(runner, *, refresh: bool) -> None:
         if result.tree_far_compiled_ms:
             far = ", ".join(f"{size}: {ms:.1f}" for size, ms in zip(result.tree_sizes, result.tree_far_compiled_ms))
             print(f"  compiled at context {result.tree_far_context} (their growth with the context): {far}")
+        if result.far_compiled_ms:
+            print(f"  a one-token step compiled at context {result.tree_far_context}: {result.far_compiled_ms:.1f}")
     print(
         f"compiling took {result.compile_seconds:.1f} s (one token) + {result.tree_compile_seconds:.1f} s (trees); "
         f"cached in {CompileCalibration.path(result.key)}",
