@@ -19,7 +19,7 @@ from tokenswift.drafters.eagle import LevelEconomy
 from tokenswift.interfaces import Verdict
 from tokenswift.scoring import FEW_PRODUCT_ROWS, ONE_PRODUCT_ROWS
 from tokenswift.speculation import (
-    GUARD_PRIOR, AcceptanceTracker, AutoSpeculator, DraftGate, RateChooser, StepFacts, choose,
+    GUARD_PRIOR, GUARD_WARM_UP, AcceptanceTracker, AutoSpeculator, DraftGate, RateChooser, StepFacts, choose,
 )
 from tokenswift.testing import assert_lossless, looping_model, tiny_model_for
 from tokenswift.tree import DRAFTER, RETRIEVER, Branch, DraftTree
@@ -478,9 +478,10 @@ def plain_step(seconds: float = 0.01) -> StepFacts:
                      view_seconds=0.0, emitted=1)
 
 
-def speculator_past_its_plain_burst(seconds: float = 0.01) -> AutoSpeculator:
-    """An AutoSpeculator whose plain guard has measured its plain steps (its first burst)."""
-    speculator = AutoSpeculator(CostModel(calibration(0.0)), 8)
+def speculator_past_its_plain_burst(seconds: float = 0.01, warm_up: int = 0) -> AutoSpeculator:
+    """An AutoSpeculator whose plain guard has measured its plain steps (its first burst),
+    judging every speculative step from the first (``warm_up`` 0: no warm-up)."""
+    speculator = AutoSpeculator(CostModel(calibration(0.0)), 8, warm_up=warm_up)
     for _ in range(speculator.speculating.burst):
         assert speculator.proposers() == ()
         speculator.learn(plain_step(seconds))
@@ -560,6 +561,52 @@ def test_the_guard_takes_a_gain_smaller_than_one_steps_spread_by_what_trees_were
         return picks[100:].count(True) / 700
 
     assert min(share(seed) for seed in range(6)) > 0.95
+
+
+def test_the_guard_leaves_its_first_proposing_steps_unjudged():
+    """The first GUARD_WARM_UP steps whose proposers ran draft deeper than later ones
+    and run the trees' graphs for the first time: the tracker, the gates and the cost
+    model learn from them, the plain guard does not. Speculative steps that earn 8% more
+    tokens a second than plain ones, but whose first 8 took 1.5x their time: the guard
+    speculates in nearly every step after the first hundred (judged from the first step,
+    it kept plain steps to the end of each of these runs)."""
+    speculator = speculator_past_its_plain_burst(warm_up=GUARD_WARM_UP)
+    tree = DraftTree.root_only(1)
+    tree.add_branch([7], parent=0)
+    facts = StepFacts(tree=tree, verdict=Verdict(accepted=[1], bonus=2), context=64, forward_seconds=0.012,
+                      step_seconds=0.05, proposing_seconds={DRAFTER: 0.001}, drafting_pass=None, view_seconds=0.0,
+                      emitted=2)
+    for _ in range(GUARD_WARM_UP):
+        assert speculator.proposers() == (DRAFTER, RETRIEVER)  # the burst goes on while nothing is judged
+        speculator.learn(facts)
+    assert speculator.speculating.samples[True] == 0 and speculator.gates[DRAFTER].recent  # the gate learnt
+    assert speculator.tracker.tried_by_depth[(DRAFTER, 1)] == GUARD_WARM_UP
+    speculator.proposers()
+    speculator.learn(attrs.evolve(facts, step_seconds=0.014))
+    assert speculator.speculating.samples[True] == 1
+
+    def share(seed: int) -> float:
+        draws = random.Random(seed)
+        speculator = AutoSpeculator(CostModel(calibration(0.0)), 8)
+        picks, speculative = [], 0
+        for _ in range(600):
+            proposers = speculator.proposers()
+            picks.append(bool(proposers))
+            if not proposers:
+                speculator.learn(plain_step(0.010 * draws.uniform(0.88, 1.12)))
+                continue
+            tree = DraftTree.root_only(1)
+            tree.add_branch(Branch([7], [0.6]))
+            accepted = [1] if draws.random() < 0.6 else []
+            seconds = 0.016 / 1.08 * draws.uniform(0.88, 1.12) * (1.5 if speculative < 8 else 1.0)
+            speculative += 1
+            speculator.learn(StepFacts(
+                tree=tree, verdict=Verdict(accepted=accepted, bonus=2), context=64, forward_seconds=0.8 * seconds,
+                step_seconds=seconds, proposing_seconds={DRAFTER: 0.001}, drafting_pass=None, view_seconds=0.0,
+                emitted=1 + len(accepted)))
+        return picks[100:].count(True) / 500
+
+    assert min(share(seed) for seed in range(6)) > 0.8
 
 
 def test_a_step_that_compiled_a_graph_teaches_the_choosers_and_gates_nothing():

@@ -443,6 +443,17 @@ class Speculator:
 
 GUARD_STEPS = 64  # the speculative steps whose drawn / expected tokens scale the guard's count
 GUARD_PRIOR = 32.0  # tokens counted as both drawn and expected in that scale
+# The first steps whose proposers ran are not judged by the guard: the drafter drafts
+# its configured depth until it has seen what the choice verifies (eagle's LevelEconomy:
+# 8 proposals), and the trees' graphs run their first calls. On a 2-core AMD EPYC Zen 3
+# (eagle, greedy, 2K prompt, compiled) those proposals took 8.8-13.9 ms against 2-4
+# later, their trees' forwards 30-42 ms against ~27. Judged, they can set the speculative
+# arm's rate under the plain one's for the rest of a run: the guard draws an arm far
+# behind again about once a half-life (20 s), and with its first 8 speculative steps at
+# 1.5x the time, a simulated guard kept plain steps to the end of every one of 60 runs of
+# 600 steps whose speculative steps earned 8% or 15% more tokens a second after them.
+# One of those runs (eagle, the Zen 3) speculated in 80 of 512 steps, another in 269.
+GUARD_WARM_UP = 8
 
 
 class AutoSpeculator(Speculator):
@@ -455,14 +466,16 @@ class AutoSpeculator(Speculator):
     partial view pays (the tokens realised). At most
     ``max_nodes`` nodes below the root (0: plain steps only).
 
-    The first chooser is the guard of "never slower than plain steps": the gates and the
+    The first chooser is the guard of "never slower than plain steps" (judging no step
+    of its first ``warm_up`` whose proposers ran: :data:`GUARD_WARM_UP`): the gates and the
     cost model price what they see (forwards, proposals), not the scoring of more
     nodes, the drafter's bookkeeping or the loop's. On a 2-core AMD EPYC Zen 4 (2K
     prompt, compiled, greedy) ``eagle`` steps took 34.1 ms for 1.67 tokens where the
     cost model predicted 25.4, and the preset ran at 0.95-0.99x compiled ``ar``."""
 
     def __init__(
-        self, costs: CostModel, max_nodes: int, *, plain_guard: bool = True, pass_gain: float = PASS_GAIN
+        self, costs: CostModel, max_nodes: int, *, plain_guard: bool = True, pass_gain: float = PASS_GAIN,
+        warm_up: int = GUARD_WARM_UP,
     ) -> None:
         super().__init__(max_nodes)
         self.costs = costs
@@ -472,6 +485,7 @@ class AutoSpeculator(Speculator):
         self.passes = RateChooser()
         self.gates = {DRAFTER: DraftGate(), RETRIEVER: DraftGate()}
         self._speculates: bool | None = None  # this step's arm of ``speculating``
+        self._warm_up = warm_up  # steps whose proposers ran still to pass unjudged (GUARD_WARM_UP)
         # (emitted, expected) tokens of the last speculative steps the guard judged
         self._guard_window: collections.deque[tuple[float, float]] = collections.deque(maxlen=GUARD_STEPS)
 
@@ -571,6 +585,9 @@ class AutoSpeculator(Speculator):
             # ``tokenswift`` run take 506 ms against ~43 for a plain one, and the guard
             # kept plain steps for the rest of a 256-token run (0.965x ``ar``).
             seconds = facts.step_seconds - facts.catch_up_seconds - facts.view_seconds
-            self.speculating.observe(self._speculates, self._guard_tokens(expected, facts.emitted),
-                                     seconds, futile=futile)
+            tokens = self._guard_tokens(expected, facts.emitted)
+            if self._speculates and facts.proposing_seconds and self._warm_up > 0:
+                self._warm_up -= 1  # a step of the warm-up (GUARD_WARM_UP): not judged
+            else:
+                self.speculating.observe(self._speculates, tokens, seconds, futile=futile)
             self._speculates = None
