@@ -13,6 +13,7 @@ recompile limit, in a later test.)
 
 import copy
 import logging
+import shutil
 
 import pytest
 import torch
@@ -39,6 +40,28 @@ def store(tmp_path, monkeypatch):
     monkeypatch.setenv("TOKENSWIFT_CACHE", str(tmp_path))
     monkeypatch.setenv(graph_store.STORE_ENV, "1")
     return graph_store.store_root()
+
+
+@pytest.fixture(scope="module")
+def stored_once(tmp_path_factory):
+    """The graphs of the float32 tiny model (its one-token, LM-head and tree graphs)
+    compiled and stored once for this module, in a cache of their own: a test whose
+    first process only needs them stored copies them (``filled_store``) instead of
+    compiling them again (~5 s each on two cores). Weights are inputs, so they serve a
+    model of any seed."""
+    root = tmp_path_factory.mktemp("stored-once")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TOKENSWIFT_CACHE", str(root))
+        patch.setenv(graph_store.STORE_ENV, "1")
+        forwards(model_of(seed=20))
+        return graph_store.store_root()
+
+
+@pytest.fixture
+def filled_store(store, stored_once):
+    """:func:`store`, holding what a first process stored for the float32 tiny model."""
+    shutil.copytree(stored_once, store)
+    return store
 
 
 def model_of(dtype="float32", seed=21, config="llama-gqa", **changes):
@@ -166,9 +189,11 @@ def test_the_store_can_be_turned_off(store, monkeypatch):
     torch.testing.assert_close(rows, eager_rows, rtol=1e-4, atol=1e-4)
 
 
-def test_a_stored_graph_that_does_not_load_is_compiled_again_and_replaced(store, caplog):
+def test_a_stored_graph_that_does_not_load_is_compiled_again_and_replaced(filled_store, caplog):
+    store = filled_store
     model = model_of(seed=26)
     rows, runner = forwards(model)
+    assert all(stored_graphs(runner).values())  # loaded: what a first process stored
     path = store / runner.compiled.store_identity / "forward-1.bin"
     path.write_bytes(b"not a graph")
     later_process()
@@ -182,11 +207,12 @@ def test_a_stored_graph_that_does_not_load_is_compiled_again_and_replaced(store,
     assert all(stored_graphs(runner).values())
 
 
-def test_a_stored_graph_whose_guards_refuse_its_inputs_is_compiled_again(store, caplog):
+def test_a_stored_graph_whose_guards_refuse_its_inputs_is_compiled_again(filled_store, caplog):
     """A tree graph stored for another hidden size, found where this model's belongs
     (loads, as its code is the same): its guards refuse this model's tensors at the
     first call, so it is removed, compiled again for this model and stored; the
     forwards are this model's."""
+    store = filled_store
     small, large = model_of(seed=27), model_of(seed=27, hidden_size=64)
     _, small_runner = forwards(small)
     _, large_runner = forwards(large)
@@ -241,7 +267,7 @@ def test_stored_graphs_are_priced_at_their_load_time_and_their_trees_need_no_tri
 
 
 
-def test_graphs_stored_without_rope_scaling_compute_a_yarn_models_forwards(store):
+def test_graphs_stored_without_rope_scaling_compute_a_yarn_models_forwards(filled_store):
     """The graphs stored for a model without RoPE scaling, loaded for the same weights
     with YaRN at a factor never seen: the forwards are the YaRN model's (its rotary
     tables and attention scaling are the graphs' inputs), not the unscaled model's."""

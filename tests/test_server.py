@@ -268,35 +268,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_serve_command_starts_a_server_and_stops_on_sigterm(model_dir):
-    port = _free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tokenswift", "serve", "--model", str(model_dir), "--dtype", "float32", "--preset", "ar",
-         "--port", str(port), "--served-name", "mini"],
-        stderr=subprocess.PIPE, text=True,
-    )
-    try:
-        url, deadline = f"http://127.0.0.1:{port}", time.time() + 120
-        while True:
-            try:
-                models = httpx.get(url + "/v1/models", timeout=2).json()
-                break
-            except httpx.TransportError:
-                assert process.poll() is None, process.stderr.read()
-                assert time.time() < deadline, "tokenswift serve did not start"
-                time.sleep(0.2)
-        assert [m["id"] for m in models["data"]] == ["mini"]
-        response = httpx.post(url + "/v1/completions", json={"model": "mini", "prompt": "the cat", "max_tokens": 5, "seed": 1}, timeout=60)
-        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 5
-        # the saved tiny model's tokenizer has no chat template: a clear 400, not a crash
-        response = httpx.post(url + "/v1/chat/completions", json={"model": "mini", "messages": MESSAGES}, timeout=60)
-        assert response.status_code == 400 and "has no chat template" in response.json()["error"]["message"]
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
-    assert "serving 'mini' (preset 'ar') on http://127.0.0.1:" in process.stderr.read()
-
-
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -509,12 +480,26 @@ def _serve(model_dir, *extra):
             time.sleep(0.2)
 
 
-def test_sigterm_mid_stream_ends_the_stream_cleanly_and_exits_within_3_seconds(model_dir):
-    """The first SIGTERM cancels the running generation after its step: its stream gets
-    a last chunk (finish_reason "cancelled") and [DONE], a stream queued behind it an
-    error event (503, not started) and [DONE], and the process exits (it waited for the
-    generation to finish: 24 s for a long one)."""
+def test_serve_answers_then_a_sigterm_mid_stream_ends_the_stream_cleanly_and_exits_within_3_seconds(model_dir):
+    """`tokenswift serve` lists its model under the served name, completes, and answers a
+    chat request for a tokenizer without a chat template with a clear 400. Then the first
+    SIGTERM cancels the running generation after its step: its stream gets a last chunk
+    (finish_reason "cancelled") and [DONE], a stream queued behind it an error event
+    (503, not started) and [DONE], and the process exits (it waited for the generation
+    to finish: 24 s for a long one). One server for both: each start imports torch and
+    transformers (~7 s on two cores)."""
     process, url = _serve(model_dir)
+    try:
+        models = httpx.get(url + "/v1/models", timeout=2).json()
+        assert [m["id"] for m in models["data"]] == ["mini"]
+        response = httpx.post(url + "/v1/completions", json={"model": "mini", "prompt": "the cat", "max_tokens": 5, "seed": 1}, timeout=60)
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 5
+        # the saved tiny model's tokenizer has no chat template: a clear 400, not a crash
+        response = httpx.post(url + "/v1/chat/completions", json={"model": "mini", "messages": MESSAGES}, timeout=60)
+        assert response.status_code == 400 and "has no chat template" in response.json()["error"]["message"]
+    except BaseException:
+        process.kill()
+        raise
     body = {"model": "mini", "prompt": "the cat", "max_tokens": 50_000, "seed": 1, "stream": True}
     queued: list[str] = []
 
@@ -557,7 +542,8 @@ def test_sigterm_mid_stream_ends_the_stream_cleanly_and_exits_within_3_seconds(m
     assert queued[-1] == "data: [DONE]" and len(queued) == 2, queued
     error = json.loads(queued[0].removeprefix("data: "))["error"]
     assert error["type"] == "server_error" and error["message"].startswith("the server is shutting down"), error
-    assert "Traceback" not in process.stderr.read()
+    stderr = process.stderr.read()
+    assert "Traceback" not in stderr and "serving 'mini' (preset 'ar') on http://127.0.0.1:" in stderr
 
 
 def test_a_second_signal_exits_at_once(model_dir):
