@@ -95,9 +95,12 @@ class CostModel:
         one, moved along the eager curve scaled by compiled/eager. Without the head's
         time: that scaled eager curve throughout."""
         calibration, head = self.compile_calibration, self.calibration.head_ms
-        scaled = lambda at: self.calibration.forward_seconds(1, at) * calibration.factor(at)  # noqa: E731
+
+        def scaled(at: int) -> float:  # the eager curve times compiled/eager
+            return self.calibration.forward_seconds(1, at) * calibration.factor(at)
+
         if head is None:
-            return eager * calibration.factor(context)
+            return scaled(context)
         measured = calibration.one_token_compiled_seconds_at(context)
         if measured is None:  # past the last context, not timed at a second one
             last = calibration.contexts[-1]
