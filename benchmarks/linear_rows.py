@@ -4,7 +4,7 @@ shapes) plus its LM head, in turns in one process.
 
     python benchmarks/linear_rows.py [--rows 1 2 4 8 16 32] [--dtype bfloat16]
 
-Where the kernel keeps packed copies of the weights (AVX512-BF16 without AMX), a third
+Where the kernel keeps packed copies of the weights (AVX512-BF16 without AMX, AVX2), a third
 column multiplies by the weights as stored: inference tensors, which the kernel never
 packs (they have no version counter to notice a change by), so both layouts are timed
 in the same run. Every turn first reads a buffer larger than the last-level cache, so

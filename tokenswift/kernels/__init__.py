@@ -13,8 +13,9 @@ and never splits the KV.
 :func:`few_rows_linear` is ``F.linear`` for a few rows (``few_rows_linear.cpp``): the
 weight streamed once for all rows (AMX tiles where the CPU has them), each row's result
 independent of the others. With AVX512-BF16 but no AMX tiles (and for the shapes the
-tiles do not take), a bfloat16 weight is rearranged once, at its first product, into
-the pairs layout the instruction reads, and that copy is kept while the weight lives
+tiles do not take), and on AVX2, a bfloat16 weight is rearranged once, at its first
+product, into the pairs layout AVX512-BF16's instruction reads (which AVX2 widens in
+registers), and that copy is kept while the weight lives
 (:func:`packed_weight_bytes`). Whether the model's products use it is
 :func:`linears_by_default` (``TOKENSWIFT_LINEARS``).
 
@@ -239,7 +240,11 @@ def linear_path() -> str | None:
 # widened in registers) the 210 products of a SmolLM2-135M forward took 11-12 / 13-15 /
 # 20-22 / 30-36 ms for 1 / 2 / 4 / 8 rows against PyTorch's 14-17 / 25-29 / 46-55 /
 # 87-100, and a compiled tree forward of 2 / 4 / 8 tokens at 2K positions 22.5 / 32.1 /
-# 45.6 ms against 45.2 / 75.9 / 128.2. AVX512 without BF16 and float32 are not measured
+# 45.6 ms against 45.2 / 75.9 / 128.2. With the weights packed in the pairs layout
+# (2026-12-07, the same machine, `benchmarks/linear_rows.py`, the 211 products with the LM
+# head, in turns): 18.7 / 19.5 / 24.1 / 39.1 ms for 1 / 2 / 4 / 8 rows against 22.0 /
+# 26.1 / 32.1 / 49.3 as stored and PyTorch's 25.4 / 43.2 / 77.5 / 150.2: a second row now
+# costs 4% of the first (19%). AVX512 without BF16 and float32 are not measured
 # in whole runs, so they keep PyTorch's products.
 AUTO_LINEAR_PATHS = ("amx", "avx512-bf16", "avx2")
 
@@ -284,8 +289,8 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 def packs_weights() -> bool:
     """Whether the built kernels keep packed copies of the bfloat16 weights they multiply
-    (AVX512-BF16 without AMX, and on AMX machines the shapes the tiles do not take)."""
-    return linear_path() in ("avx512-bf16", "amx")
+    (AVX512-BF16 without AMX, AVX2, and on AMX machines the shapes the tiles do not take)."""
+    return linear_path() in ("avx512-bf16", "amx", "avx2")
 
 
 def packed_size(weight: torch.Tensor) -> int:
