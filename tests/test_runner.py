@@ -143,6 +143,28 @@ def test_store_refuses_overflow_and_returns_hidden_states():
         runner.forward(torch.tensor([4, 5]))
 
 
+def test_timed_steps_run_over_written_kv_as_a_run_does():
+    """Calibrations time forwards over occupied positions (``KVStore.occupy``). A fresh
+    store's memory is the zero page until written, and a forward over it reads no KV
+    from memory: occupied positions are filled with noise, once, so a timed step reads
+    what a run's step reads. A later occupy fills only positions no earlier one reached."""
+    from tokenswift.timing import one_token_step, tree_step
+
+    runner = Runner(tiny_model_for("llama-gqa"))
+    runner.allocate(32)
+    one_token_step(runner, 8)()
+    store = runner.store
+    for tensor in (*store.keys, *store.values):
+        assert bool((tensor[:, :, :8] != 0).all()) and not tensor[:, :, 9:].any()  # 8: the step's own token
+    before = [tensor[:, :, :6].clone() for tensor in store.keys]
+    tree_step(runner, 6, 3)()  # its tokens' own keys at 6-8
+    one_token_step(runner, 8)()
+    assert all(torch.equal(tensor[:, :, :6], kept) for tensor, kept in zip(store.keys, before))
+    tree_step(runner, 20, 3)()
+    assert all(bool((tensor[:, :, 8:20] != 0).all()) for tensor in (*store.keys, *store.values))
+    assert all(torch.equal(tensor[:, :, :6], kept) for tensor, kept in zip(store.keys, before))
+
+
 @pytest.mark.parametrize("name", ["llama-gqa", "qwen2"])
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=trees())

@@ -104,7 +104,7 @@ def test_calibration_of_a_tiny_model_is_measured_cached_and_reloaded(tmp_path, m
     for row in measured.forward_ms:  # more nodes never cost less
         assert all(a <= b for a, b in zip(row, row[1:])) and row[0] > 0
     files = list((tmp_path / "calibration").glob("*.json"))
-    assert len(files) == 1 and json.loads(files[0].read_text())["format"] == "tokenswift-calibration/1"
+    assert len(files) == 1 and json.loads(files[0].read_text())["format"] == "tokenswift-calibration/2"
     assert load_calibration(pipe.runner) == measured
     other = Pipeline.from_spec("ar", tiny_model_for("llama-gqa", "float64"))
     assert load_calibration(other.runner) is None  # another dtype, another calibration

@@ -46,6 +46,7 @@ class KVStore:
         self.capacity = capacity
         self.length = 0  # committed positions
         self.staged = 0  # tokens a verify forward wrote after `length`, not yet committed
+        self.noise_to = 0  # positions [0, noise_to) hold occupy's noise or what was written over it
 
     @property
     def num_layers(self) -> int:
@@ -118,10 +119,22 @@ class KVStore:
         self.length = length
 
     def occupy(self, length: int) -> None:
-        """Treat positions ``[0, length)`` as committed whatever they hold (for timing
-        forwards at a context length without computing one)."""
+        """Treat positions ``[0, length)`` as committed (for timing forwards at a context
+        length without computing one). Positions no earlier ``occupy`` reached are first
+        filled with noise (a private generator, seed 0): a fresh store's memory is the
+        operating system's zero page until written, so forwards timed over it read no KV
+        from memory. Over such a store, on a 2-core AMD EPYC Zen 3 at 2K positions, a
+        compiled 2-token tree timed at 0.95x a one-token step with its LM-head row, and
+        over written KV at 1.16x (as in runs): the tree choice priced a drafted node at
+        less than half its cost."""
         if not 0 <= length < self.capacity:
             raise ValueError(f"occupy: length must be in [0, {self.capacity}), got {length}")
+        if length > self.noise_to:
+            generator = torch.Generator(device=self.keys[0].device).manual_seed(0)
+            with torch.inference_mode():  # the store may have been made in inference mode
+                for tensor in (*self.keys, *self.values):
+                    tensor[:, :, self.noise_to : length].normal_(generator=generator)
+            self.noise_to = length
         self.length = length
         self.staged = 0
 
