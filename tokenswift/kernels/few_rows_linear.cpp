@@ -550,32 +550,9 @@ inline void packed_rows(int rows, const c10::BFloat16* x, int64_t K, const uint3
 constexpr int64_t kPackedTileRows = 8;  // rows of x per tile: 8 x 2 accumulators, or 4 x 4
 constexpr int64_t kPackedGroup = 4;     // blocks of 16 outputs a tile takes at most
 
-void run_packed(const c10::BFloat16* x, const uint32_t* pairs, const c10::BFloat16* bias, c10::BFloat16* y, int64_t n,
-                int64_t K, int64_t O) {
-  const int64_t P = K / 2, blocks = (O + 15) / 16;
-  // Threads take equal runs of blocks (a k or v projection's 12 blocks: 6 each; in
-  // groups of 4, one thread took two of the three groups and the other waited).
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t first = begin; first < end; first += kPackedGroup) {
-      const int64_t count = std::min<int64_t>(kPackedGroup, end - first);
-      for (int64_t r = 0; r < n; r += kPackedTileRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kPackedTileRows, n - r));
-        int64_t b = 0;
-        while (b < count) {  // 4 blocks where the rows leave registers for them, else 2, then 1
-          const int64_t width = rows <= 4 && count - b >= 4 ? 4 : count - b >= 2 ? 2 : 1;
-          const int64_t o0 = (first + b) * 16;
-          const uint32_t* w = pairs + (first + b) * P * 16;
-          const c10::BFloat16* extra = bias ? bias + o0 : nullptr;
-          c10::BFloat16* out = y + r * O + o0;
-          if (width == 4) packed_rows<4>(rows, x + r * K, K, w, P, out, O, extra, O - o0);
-          else if (width == 2) packed_rows<2>(rows, x + r * K, K, w, P, out, O, extra, O - o0);
-          else packed_rows<1>(rows, x + r * K, K, w, P, out, O, extra, O - o0);
-          b += width;
-        }
-      }
-    }
-  });
-}
+// Blocks of 16 outputs a tile of `rows` rows takes, `left` blocks left in its group: 4
+// where the rows leave registers for them, else 2, then 1.
+inline int64_t packed_width(int rows, int64_t left) { return rows <= 4 && left >= 4 ? 4 : left >= 2 ? 2 : 1; }
 #else
 // AVX2 without native bfloat16: the same pairs layout, each 32-byte half of a block's
 // 64-byte vector (8 outputs' weights for k and k + 1) widened in registers: shifted left
@@ -637,20 +614,27 @@ inline void packed_rows(int rows, const float* x, int64_t K, const uint32_t* w, 
 constexpr int64_t kPackedTileRows = 4;  // rows of x per tile: 4 x 2 accumulators of the 16 registers
 constexpr int64_t kPackedGroup = 4;     // blocks of 16 outputs a tile takes at most
 
-void run_packed(const c10::BFloat16* xb, const uint32_t* pairs, const c10::BFloat16* bias, c10::BFloat16* y, int64_t n,
-                int64_t K, int64_t O) {
+// Blocks of 16 outputs a tile of `rows` rows takes, `left` blocks left in its group: 4 for
+// one row, 2 for two or three, else 1.
+inline int64_t packed_width(int rows, int64_t left) { return rows == 1 && left >= 4 ? 4 : rows <= 3 && left >= 2 ? 2 : 1; }
+#endif
+
+// The n rows of x (X: bfloat16 with AVX512-BF16, float32 widened once on AVX2) against the
+// packed pairs: threads take equal runs of blocks (a k or v projection's 12 blocks: 6
+// each; in groups of 4, one thread took two of the three groups and the other waited),
+// each group of up to kPackedGroup blocks in tiles of up to kPackedTileRows rows.
+template <typename X>
+void packed_blocks(const X* x, const uint32_t* pairs, const c10::BFloat16* bias, c10::BFloat16* y, int64_t n, int64_t K,
+                   int64_t O) {
   const int64_t P = K / 2, blocks = (O + 15) / 16;
-  std::vector<float> xf(n * K);  // x widened once
-  for (int64_t i = 0; i < n * K; ++i) xf[i] = static_cast<float>(xb[i]);
-  const float* x = xf.data();
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t first = begin; first < end; first += kPackedGroup) {
       const int64_t count = std::min<int64_t>(kPackedGroup, end - first);
       for (int64_t r = 0; r < n; r += kPackedTileRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kPackedTileRows, n - r));
         int64_t b = 0;
-        while (b < count) {  // 4 blocks for one row, 2 for two or three, else 1
-          const int64_t width = rows == 1 && count - b >= 4 ? 4 : rows <= 3 && count - b >= 2 ? 2 : 1;
+        while (b < count) {
+          const int64_t width = packed_width(rows, count - b);
           const int64_t o0 = (first + b) * 16;
           const uint32_t* w = pairs + (first + b) * P * 16;
           const c10::BFloat16* extra = bias ? bias + o0 : nullptr;
@@ -664,7 +648,17 @@ void run_packed(const c10::BFloat16* xb, const uint32_t* pairs, const c10::BFloa
     }
   });
 }
+
+void run_packed(const c10::BFloat16* x, const uint32_t* pairs, const c10::BFloat16* bias, c10::BFloat16* y, int64_t n,
+                int64_t K, int64_t O) {
+#if defined(__AVX512BF16__)
+  packed_blocks(x, pairs, bias, y, n, K, O);
+#else
+  std::vector<float> xf(n * K);  // x widened once
+  for (int64_t i = 0; i < n * K; ++i) xf[i] = static_cast<float>(x[i]);
+  packed_blocks(xf.data(), pairs, bias, y, n, K, O);
 #endif
+}
 #else
 bool packed_serves(const at::Tensor&) { return false; }
 int64_t packed_weight_bytes() { return 0; }
