@@ -548,7 +548,6 @@ inline void packed_rows(int rows, const c10::BFloat16* x, int64_t K, const uint3
 }
 
 constexpr int64_t kPackedTileRows = 8;  // rows of x per tile: 8 x 2 accumulators, or 4 x 4
-constexpr int64_t kPackedGroup = 4;     // blocks of 16 outputs a tile takes at most
 
 // Blocks of 16 outputs a tile of `rows` rows takes, `left` blocks left in its group: 4
 // where the rows leave registers for them, else 2, then 1.
@@ -612,12 +611,13 @@ inline void packed_rows(int rows, const float* x, int64_t K, const uint32_t* w, 
 }
 
 constexpr int64_t kPackedTileRows = 4;  // rows of x per tile: 4 x 2 accumulators of the 16 registers
-constexpr int64_t kPackedGroup = 4;     // blocks of 16 outputs a tile takes at most
 
 // Blocks of 16 outputs a tile of `rows` rows takes, `left` blocks left in its group: 4 for
 // one row, 2 for two or three, else 1.
 inline int64_t packed_width(int rows, int64_t left) { return rows == 1 && left >= 4 ? 4 : rows <= 3 && left >= 2 ? 2 : 1; }
 #endif
+
+constexpr int64_t kPackedGroup = 4;  // blocks of 16 outputs a tile takes at most
 
 // The n rows of x (X: bfloat16 with AVX512-BF16, float32 widened once on AVX2) against the
 // packed pairs: threads take equal runs of blocks (a k or v projection's 12 blocks: 6
@@ -655,7 +655,7 @@ void run_packed(const c10::BFloat16* x, const uint32_t* pairs, const c10::BFloat
   packed_blocks(x, pairs, bias, y, n, K, O);
 #else
   std::vector<float> xf(n * K);  // x widened once
-  for (int64_t i = 0; i < n * K; ++i) xf[i] = static_cast<float>(x[i]);
+  widen_row(x, xf.data(), n * K);
   packed_blocks(xf.data(), pairs, bias, y, n, K, O);
 #endif
 }
