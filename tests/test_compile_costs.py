@@ -118,7 +118,8 @@ def test_one_tree_graph_of_every_size_is_charged_once(ledger_home, monkeypatch):
     monkeypatch.setattr(compiled, "layered_problem", None)
     assert compiled.one_tree_graph and compiled.tree_graph_name == "layered-tree"
     assert {compiled.graph_tokens("layered-tree", size) for size in (2, 4, 8, 32)} == {ANY_SIZE}
-    assert compiled.graph_tokens("tree", 4) == 4 and compiled.graph_tokens("layered-tree", 64) == 64
+    assert compiled.graph_tokens("tree", 4) == ANY_SIZE and compiled.graph_tokens("layered-tree", 64) == 64
+    assert compiled.graph_tokens("tree", 64) == 64
     key = compile_costs.graph_key(machine_key(runner), "layered-tree", ANY_SIZE)
     compile_costs.record(key, 3.0, warm=True)
 
@@ -217,9 +218,10 @@ def test_graphs_of_a_run_of_layers_are_priced_by_their_own_kind(ledger_home):
 
 @needs_compiler
 def test_shorter_runs_verify_through_layered_tree_graphs_longer_ones_through_whole_decoders(ledger_home):
-    """A run repays the whole decoder's tree graphs (~5x the compile, ~5% faster
-    forwards) only from WHOLE_TREES_FROM_TOKENS new tokens; the graphs of each kind are
-    compiled and kept apart, so a process serving both kinds of run never mixes them."""
+    """A run repays compiling the whole decoder's tree graph (~10x the compile, ~1 ms
+    faster forwards) only from WHOLE_TREES_FROM_TOKENS new tokens, and every run takes
+    it once it is compiled or stored; the graphs of each kind are compiled and kept
+    apart, so a process serving both kinds of run never mixes them."""
     runner = Runner(tiny_model(TINY_CONFIGS["llama-gqa"], dtype="float32", seed=5))
     for new_tokens, name in ((100, "layered-tree"), (WHOLE_TREES_FROM_TOKENS, "tree"), (WHOLE_TREES_FROM_TOKENS - 1, "layered-tree")):
         decision = decide(runner, True, prompt_tokens=8, new_tokens=new_tokens)
@@ -230,7 +232,13 @@ def test_shorter_runs_verify_through_layered_tree_graphs_longer_ones_through_who
     runner.forward(torch.tensor([3, 4]), tree_mask=torch.ones(2, 2, dtype=torch.bool).tril())
     assert runner.compiled.has_tree_graph(2)
     runner.compiled.layered_trees = False
-    assert not runner.compiled.has_tree_graph(2)  # the whole decoder's graph of 2 tokens: not compiled yet
+    assert not runner.compiled.has_tree_graph(2)  # the whole decoder's graph of every size: not compiled yet
+    # once it is (or is in the graph store: `tokenswift calibrate --compile` stores it),
+    # runs of every length verify through it
+    runner.forward(torch.tensor([3, 4]), tree_mask=torch.ones(2, 2, dtype=torch.bool).tril())
+    assert runner.compiled.has_tree_graph(2) and runner.compiled.has_tree_graph(7)
+    decision = decide(runner, True, prompt_tokens=8, new_tokens=100)
+    assert decision.compiled and runner.compiled.tree_graph_name == "tree"
 
 
 @needs_compiler

@@ -288,12 +288,20 @@ def test_graphs_stored_without_rope_scaling_compute_a_yarn_models_forwards(fille
 
 
 def test_calibrate_stores_the_graphs_every_later_run_loads(store, model_dir, capsys):
-    """`tokenswift calibrate --compile` stores the graphs it compiles and says where."""
+    """`tokenswift calibrate --compile` stores the graphs it compiles and says where:
+    with the whole decoder's tree graph of every size, which later runs of any length
+    then verify through (loaded, not compiled), as the calibration timed them."""
     from tokenswift.cli import main
+    from tokenswift.spec import ModelSpec
+    from tokenswift.model.loading import load_model
 
     code = main(["calibrate", "--model", str(model_dir), "--dtype", "float32", "--compile"])
     _, err = capsys.readouterr()
     assert code == 0, err
     (directory,) = store.iterdir()
-    assert {"forward-1", "layered-forward-1", "logits-1", "layered-tree-0"} <= {path.stem for path in directory.glob("*.bin")}
+    assert {"forward-1", "layered-forward-1", "logits-1", "tree-0"} <= {path.stem for path in directory.glob("*.bin")}
     assert f"compiled graphs stored in {directory}" in err
+    runner = Runner(load_model(ModelSpec(path=str(model_dir), dtype="float32"))[0])  # a later process's model
+    assert compiling.decide(runner, True, prompt_tokens=8, new_tokens=100).compiled
+    assert runner.compiled.tree_graph_name == "tree"
+    assert compiling.load_compile_calibration(runner).tree_graph == "tree"

@@ -35,7 +35,7 @@ from tokenswift.calibrate_apart import record_from_child
 from tokenswift.machine import machine_name
 from tokenswift.model import graph_store
 from tokenswift.model.compiled import (
-    STORE_IMPORTS, CompiledForward, CompileUnavailable, compiler_problem, layered_problem, stored_graph,
+    ANY_SIZE, STORE_IMPORTS, CompiledForward, CompileUnavailable, compiler_problem, layered_problem, stored_graph,
 )
 from tokenswift.records import CachedRecord, machine_key
 from tokenswift.timing import interleaved_ms, measured_contexts, one_token_step, tree_step
@@ -71,18 +71,32 @@ KERNEL_TILE_ROWS = 16
 # run eagerly, and the cost model prices them so: the policy verifies them only where
 # that pays.
 TREE_COMPILE_SHARE = 0.1
-# Runs of fewer new tokens verify trees through graphs of a run of layers
-# (compiled.LayeredForward), longer ones through graphs of the whole decoder. On a 2-core
-# AMD EPYC Zen 4 (SmolLM2, 2K positions, in turns) a layered tree graph compiled in ~1 s
-# warm and ~7-8 s cold against ~5 s and ~85-94 s for the whole decoder's, and its
-# forwards took 0.7-1.0 ms (~5%) longer: 32K tree steps repay the whole graphs' extra
-# warm compiles (~4 s a size, 4-6 sizes), the cold ones only far longer runs.
+# Runs of fewer new tokens verify trees through the graph of a run of layers
+# (compiled.LayeredForward), longer ones through the whole decoder's, each one graph of
+# every tree size; every run takes the whole decoder's once it is compiled in the
+# process or stored (`tokenswift calibrate --compile` stores it: whole_trees_ready). On a
+# 2-core AMD EPYC Zen 4 (SmolLM2, 2K positions, in turns) the layered tree graph
+# compiled in ~6 s against ~93 s cold for the whole decoder's, and its forwards took
+# 0.5-1.3 ms longer (the five calls' prologues): a 2-token tree +2.0 ms over a one-token
+# forward where the whole graph's costs +0.8.
 WHOLE_TREES_FROM_TOKENS = 32768
 # A one-token step through a run of layers' graph takes this much longer than through the
 # whole decoder's (same host, in turns: 0.5-0.9 ms of ~14 ms), so compile = "auto" takes
 # it for a run too short to repay the whole decoder's compile (~7 s warm against ~1-2 s
 # on a 2-core AMD EPYC Zen 4) and long enough to repay its own.
 LAYERED_STEP_SHARE = 0.06
+
+
+def whole_trees_ready(compiled: CompiledForward) -> bool:
+    """The whole decoder's graph of every tree size is compiled in this process or in
+    the graph store (``tokenswift calibrate --compile`` stores it): runs of any length
+    then verify trees through it, which on a 2-core AMD EPYC Zen 4 (SmolLM2, 2K
+    positions, in turns) took 13.4 / 14.5 / 14.9 / 16.8 ms for 2 / 3 / 4 / 6 tokens
+    against 14.6 / 15.7 / 16.2 / 17.8 through a run of layers' graph (the five calls'
+    prologues), loaded in ~0.1 s where it compiles in ~90 s cold."""
+    if compiled.layered_problem is not None:  # no layered graphs: the whole decoder's anyway
+        return True
+    return compiled.ready("tree", ANY_SIZE) or compiled.stored("tree", ANY_SIZE)
 
 
 def tree_sizes_for(runner) -> tuple[int, ...]:
@@ -127,6 +141,9 @@ class CompileCalibration(CachedRecord):
     tree_far_context: int = 0  # where the compiled trees were timed again (0: not)
     tree_far_compiled_ms: tuple[float, ...] = ()  # per tree size, compiled, at tree_far_context
     far_compiled_ms: float = 0.0  # a compiled one-token step (with its LM-head row) at tree_far_context (0: not timed)
+    # the graph the trees were timed through: "tree" (the whole decoder's, of every
+    # size) or "layered-tree" (runs of layers'; records from before this field)
+    tree_graph: str = "layered-tree"
 
     @classmethod
     def from_dict(cls, data: dict) -> CompileCalibration:
@@ -135,7 +152,7 @@ class CompileCalibration(CachedRecord):
         from before trees were timed at a second context (priced as before)."""
         if data.get("format") == "tokenswift-compile-calibration/1":
             data = {**data, "format": cls.FORMAT, "tree_sizes": [], "tree_eager_ms": [], "tree_compiled_ms": []}
-        data = {"tree_far_context": 0, "tree_far_compiled_ms": [], "far_compiled_ms": 0.0, **data}
+        data = {"tree_far_context": 0, "tree_far_compiled_ms": [], "far_compiled_ms": 0.0, "tree_graph": "layered-tree", **data}
         return super().from_dict(data)
 
     def tree_saving_seconds(self, size: int) -> float | None:
@@ -232,11 +249,16 @@ def _extrapolate(xs, ys, x):
     return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 0.0)
 
 
-def measure_compile(runner, *, repeats: int = 5, tree_sizes: tuple[int, ...] | None = None) -> CompileCalibration:
+def measure_compile(
+    runner, *, repeats: int = 5, tree_sizes: tuple[int, ...] | None = None, whole_trees: bool = False
+) -> CompileCalibration:
     """Compile ``runner``'s one-token forward and time it against the eager one, in
     turns, at :data:`COMPILE_CONTEXTS`; then each of ``tree_sizes`` (default
     :func:`tree_sizes_for` the model) as a verify forward at the last context (leaves
-    the store empty and the runner eager).
+    the store empty and the runner eager). ``whole_trees``: the trees through the whole
+    decoder's graph of every size (compiled and stored, ~1.5 minutes cold on a 2-core
+    CPU, then loaded by every later run: see :func:`whole_trees_ready`), else through a
+    run of layers' graph where the decoder allows.
     Raises :class:`~tokenswift.model.compiled.CompileUnavailable` where it cannot compile."""
     tree_sizes = tree_sizes_for(runner) if tree_sizes is None else tuple(tree_sizes)
     contexts = measured_contexts(runner, COMPILE_CONTEXTS)
@@ -271,6 +293,7 @@ def measure_compile(runner, *, repeats: int = 5, tree_sizes: tuple[int, ...] | N
             finally:
                 compiled.layered_steps = False
         eager_ms, compiled_ms = zip(*(eager_vs_compiled(one_token_step(runner, context)) for context in contexts))
+        compiled.layered_trees = not whole_trees
         runner.use_compiled_trees(tree_sizes)
         tree_steps = [tree_step(runner, contexts[-1], size) for size in tree_sizes]
         tree_compile_seconds = sum(compile_now(step) for step in tree_steps)
@@ -301,12 +324,14 @@ def measure_compile(runner, *, repeats: int = 5, tree_sizes: tuple[int, ...] | N
         runner.use_compiled(False)
         runner.use_compiled_trees(())
         runner.store.reset()
+    tree_graph = compiled.tree_graph_name
+    compiled.layered_trees = True
     result = CompileCalibration(
         key=machine_key(runner), machine=machine_name(runner.device), contexts=contexts,
         eager_ms=tuple(eager_ms), compiled_ms=tuple(compiled_ms), compile_seconds=round(compile_seconds, 2),
         tree_sizes=tuple(tree_sizes), tree_eager_ms=tuple(tree_eager_ms), tree_compiled_ms=tuple(tree_compiled_ms),
         tree_compile_seconds=round(tree_compile_seconds, 2), tree_far_context=far, tree_far_compiled_ms=tree_far_ms,
-        far_compiled_ms=far_ms,
+        far_compiled_ms=far_ms, tree_graph=tree_graph,
     )
     logger.info(
         "compiled one-token steps: %s ms vs eager %s ms at contexts %s (compiling took %.1f s); "
@@ -389,7 +414,7 @@ def decide(
         calibration = load_compile_calibration(runner)
     if runner.compiled is not None:
         runner.compiled.ledger_machine = machine_key(runner)
-        runner.compiled.layered_trees = new_tokens < WHOLE_TREES_FROM_TOKENS
+        runner.compiled.layered_trees = new_tokens < WHOLE_TREES_FROM_TOKENS and not whole_trees_ready(runner.compiled)
         runner.compiled.layered_steps = mode == "layered"
     sizes = tree_sizes(runner, choice, calibration)
     runner.tree_trial = None
@@ -478,10 +503,14 @@ def _tree_compile_costs(runner, sizes: tuple[int, ...], calibration: CompileCali
     # their kernels are cached; graphs of a run of layers (compiled.LayeredForward)
     # are ~10x cheaper and the ledger alone knows which of them were compiled here.
     whole = name == "tree"
-    cold = calibration.tree_compile_seconds / len(calibration.tree_sizes) if whole and calibration and calibration.tree_sizes else None
+    # the calibration's compile is of the same kind of graph: one of every size, or one a size
+    timed_whole = calibration is not None and calibration.tree_graph == name and bool(calibration.tree_sizes)
+    one_graph = compiled.graph_tokens(name, TREE_SIZES[0]) == ANY_SIZE
+    cold = (calibration.tree_compile_seconds / (1 if one_graph else len(calibration.tree_sizes))
+            if whole and timed_whole else None)
 
     def expected(size: int) -> float:  # a size the calibration compiled is in inductor's cache
-        seen = whole and calibration is not None and size in calibration.tree_sizes
+        seen = whole and timed_whole and size in calibration.tree_sizes
         tokens = compiled.graph_tokens(name, size)
         graph = compile_costs.graph_key(machine, name, tokens)
         return compile_costs.expected_seconds(graph, seen=seen, cold_default=cold, stored=compiled.stored(name, tokens))

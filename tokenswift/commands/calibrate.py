@@ -68,7 +68,7 @@ def show_compile(runner, *, refresh: bool) -> None:
 
     try:
         if refresh:
-            result = measure_compile(runner)
+            result = measure_compile(runner, whole_trees=True)
             result.save()
         else:
             result = load_compile_calibration(runner)

@@ -232,6 +232,26 @@ class LayeredForward:
         return decoder.norm(hidden)[0]
 
 
+class SymbolicTokens:
+    """The whole decoder's graph of every tree size (:data:`TREE_TOKENS`): traced at its
+    first call with the token count symbolic (unless it loads from the graph store,
+    traced by the process that stored it). Called as the graph: the decoder's modules,
+    then input_ids and positions, [1, n] long."""
+
+    def __init__(self, graph) -> None:
+        self.graph = graph
+        self._traced = False
+
+    def __call__(self, *args):
+        if not self._traced and not (hasattr(self.graph, "load") and self.graph.load()):
+            least, most = TREE_TOKENS
+            for tensor in args[-2:]:  # input_ids, positions
+                torch._dynamo.mark_dynamic(tensor, 1, min=least, max=most)
+        out = self.graph(*args)
+        self._traced = True
+        return out
+
+
 def store_identity(model: torch.nn.Module, logits_dtype: torch.dtype, kernel_linears: bool) -> str | None:
     """The graph store's name for the graphs :class:`CompiledForward` compiles of
     ``model`` so (None: the store is off)."""
@@ -416,7 +436,8 @@ class CompiledForward:
         if name.startswith("layered-"):
             graph = self._stored(self._compile(self._run_of_layers, _skip_module_and_global_guards), name, tokens)
             return LayeredForward(self._decoder, graph, TREE_TOKENS if tokens == ANY_SIZE else None)
-        return self._stored(self._compile(self._forward), name, tokens)
+        graph = self._stored(self._compile(self._forward), name, tokens)
+        return SymbolicTokens(graph) if tokens == ANY_SIZE else graph
 
     def _stored(self, compiled, name: str, tokens: int):
         """``compiled`` as a graph of the store (loaded at its first call, inside the
@@ -439,11 +460,16 @@ class CompiledForward:
         (or was loaded from it in this process)."""
         return self.store_identity is not None and graph_store.graph_path(self.store_identity, name, tokens).exists()
 
+    def ready(self, name: str, tokens: int) -> bool:
+        """Graph ``name`` of ``tokens`` new tokens (:meth:`graph_tokens`) has been
+        compiled or loaded in this process."""
+        return (name, tokens) in self._ready
+
     def graph_tokens(self, name: str, tokens: int) -> int:
         """The size under which graph ``name``'s forward of ``tokens`` new tokens is
         compiled and noted in the ledger: :data:`ANY_SIZE` where one graph serves every
         tree size (:data:`TREE_TOKENS`), else ``tokens``."""
-        if name == "layered-tree" and self.one_tree_graph and TREE_TOKENS[0] <= tokens <= TREE_TOKENS[1]:
+        if name in ("layered-tree", "tree") and self.one_tree_graph and TREE_TOKENS[0] <= tokens <= TREE_TOKENS[1]:
             return ANY_SIZE
         return tokens
 
