@@ -64,6 +64,8 @@ def run(presets: list[str], context: int, new_tokens: int, greedy: bool, seed: i
                     "candidates": record.candidates, "verified": record.verified, "emitted": len(record.emitted),
                     "seconds": time.perf_counter() - started, "drafting_pass": record.drafting_pass,
                     "stages": dict(record.stage_seconds), "model": dict(record.model_seconds),
+                    "accepted": record.accepted, "predicted_tokens": record.predicted_tokens,
+                    "predicted_seconds": record.predicted_seconds,
                 })
             if len(generation.new_tokens) >= new_tokens or generation.finish_reason != "length":
                 active.remove(name)
