@@ -64,11 +64,13 @@ def show_compile(runner, *, refresh: bool) -> None:
     """Compiled vs eager one-token steps (measured again unless only shown)."""
     from tokenswift.compiling import CompileCalibration, load_compile_calibration, measure_compile
     from tokenswift.model.compiled import CompileUnavailable, store_identity
+    from tokenswift.model import graph_store
     from tokenswift.model.graph_store import identity_dir
 
     try:
         if refresh:
-            result = measure_compile(runner, whole_trees=True)
+            # the whole decoder's tree graph, where later runs can load it from the store
+            result = measure_compile(runner, whole_trees=graph_store.enabled())
             result.save()
         else:
             result = load_compile_calibration(runner)
