@@ -554,7 +554,13 @@ def test_every_compiled_graph_skips_the_module_guards(tmp_path, monkeypatch):
     assert all(filtered for _, filtered in compile_calls), compile_calls
 
 
-def test_compiled_trees_in_whole_runs_are_lossless_and_emit_what_eager_runs_emit():
+@pytest.mark.parametrize("trees_through", ["layered graph", "whole decoder's graph of every size"])
+def test_compiled_trees_in_whole_runs_are_lossless_and_emit_what_eager_runs_emit(trees_through, monkeypatch):
+    """Runs whose trees go through either kind of tree graph (the whole decoder's where
+    the run is long enough to repay it, or where it is stored: here made so by the
+    threshold): lossless, and what an eager run emits."""
+    if trees_through != "layered graph":
+        monkeypatch.setattr(compiling, "WHOLE_TREES_FROM_TOKENS", 0)
     model = tiny_model_for("llama-gqa", "float32")
     # at most 8 drafted nodes: a size the tree graphs serve on every CPU (a fixed tree's
     # own size follows what the decode kernel serves here: 65 tokens on a Zen 4)
@@ -566,6 +572,7 @@ def test_compiled_trees_in_whole_runs_are_lossless_and_emit_what_eager_runs_emit
     assert result.tokens == eager.generate(prompt, 32, seed=3, ignore_eos=True).tokens
     assert compiled.runner.compiled_tree_sizes and any(
         compiled.runner.compiled.has_tree_graph(size) for size in compiled.runner.compiled_tree_sizes)
+    assert compiled.runner.compiled.tree_graph_name == ("layered-tree" if trees_through == "layered graph" else "tree")
 
 
 def test_the_cost_model_prices_a_compiled_tree_at_its_padded_size():

@@ -265,6 +265,7 @@ def measure_compile(
     runner.allocate(max(contexts) + max((1, *tree_sizes)) + 1)
     compiled = runner.use_compiled(True)
     compiled.ledger_machine = machine_key(runner)
+    layered_trees = compiled.layered_trees  # as the runs choose, given back after
 
     def compile_now(step) -> float:
         """Run ``step`` compiled once (compiling its graphs unless done before); the seconds compiling took."""
@@ -294,6 +295,7 @@ def measure_compile(
                 compiled.layered_steps = False
         eager_ms, compiled_ms = zip(*(eager_vs_compiled(one_token_step(runner, context)) for context in contexts))
         compiled.layered_trees = not whole_trees
+        tree_graph = compiled.tree_graph_name
         runner.use_compiled_trees(tree_sizes)
         tree_steps = [tree_step(runner, contexts[-1], size) for size in tree_sizes]
         tree_compile_seconds = sum(compile_now(step) for step in tree_steps)
@@ -324,8 +326,7 @@ def measure_compile(
         runner.use_compiled(False)
         runner.use_compiled_trees(())
         runner.store.reset()
-    tree_graph = compiled.tree_graph_name
-    compiled.layered_trees = True
+        compiled.layered_trees = layered_trees
     result = CompileCalibration(
         key=machine_key(runner), machine=machine_name(runner.device), contexts=contexts,
         eager_ms=tuple(eager_ms), compiled_ms=tuple(compiled_ms), compile_seconds=round(compile_seconds, 2),

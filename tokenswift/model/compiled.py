@@ -193,6 +193,18 @@ STORE_IMPORTS = "store-imports"
 ANY_SIZE = 0
 
 
+def tokens_symbolic(graph, tensors, tokens: tuple[int, int]) -> None:
+    """Before ``graph``'s first call: its token count (dimension 1 of ``tensors``)
+    traced symbolic over ``tokens`` (least, most), so that the call's count stands for
+    every one in range; nothing where the graph loads from the store (traced by the
+    process that stored it)."""
+    if hasattr(graph, "load") and graph.load():
+        return
+    least, most = tokens
+    for tensor in tensors:
+        torch._dynamo.mark_dynamic(tensor, 1, min=least, max=most)
+
+
 class LayeredForward:
     """A forward of n new tokens as the decoder computes it, its layers in runs of
     :func:`layer_run_length`, each run one call of one compiled graph (the run's modules
@@ -219,12 +231,8 @@ class LayeredForward:
         decoder = self.decoder
         hidden = decoder.embed_tokens(input_ids)  # [1, n, hidden_size]
         cos, sin = decoder.rotary_emb(hidden, positions)
-        # the first call traces: its token count stands for every one in range (unless the
-        # graph loads from the store, traced by the process that stored it)
-        if not self._traced and not (hasattr(self.graph, "load") and self.graph.load()):
-            least, most = self.tokens
-            for tensor in (hidden, cos, sin, positions):
-                torch._dynamo.mark_dynamic(tensor, 1, min=least, max=most)
+        if not self._traced:
+            tokens_symbolic(self.graph, (hidden, cos, sin, positions), self.tokens)
         for first, layers in self.runs:
             with layers_from(first):
                 hidden = self.graph(layers, hidden, cos, sin, positions)
@@ -243,10 +251,8 @@ class SymbolicTokens:
         self._traced = False
 
     def __call__(self, *args):
-        if not self._traced and not (hasattr(self.graph, "load") and self.graph.load()):
-            least, most = TREE_TOKENS
-            for tensor in args[-2:]:  # input_ids, positions
-                torch._dynamo.mark_dynamic(tensor, 1, min=least, max=most)
+        if not self._traced:
+            tokens_symbolic(self.graph, args[-2:], TREE_TOKENS)  # input_ids, positions
         out = self.graph(*args)
         self._traced = True
         return out
