@@ -1033,10 +1033,21 @@ void run(const at::Tensor& q, const c10::BFloat16* qb, float scale, const at::Te
   const int64_t k_head = key.stride(1), k_row = key.stride(2);
   const int64_t v_head = value.stride(1), v_row = value.stride(2);
   TORCH_CHECK(k_row == v_row, "decode_attention: keys and values must share their row stride");
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+  // Each thread takes an equal share of the chunks, then of the tree blocks (small):
+  // split as one list of items, a thread could take two chunks more than another.
+  const int64_t chunk_items = H * chunks, tree_items = tree > 0 ? H : 0;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), chunk_items + tree_items));
+  at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
     std::vector<acc_t> logits, row;
     std::vector<uint16_t> probs;  // bfloat16 probabilities for the AMX value products
-    for (int64_t item = begin; item < end; ++item) {
+    std::vector<int64_t> mine;
+    for (int64_t t = first; t < last; ++t) {
+      for (int64_t i = t * chunk_items / threads; i < (t + 1) * chunk_items / threads; ++i)
+        mine.push_back((i / chunks) * per_head + i % chunks);
+      for (int64_t i = t * tree_items / threads; i < (t + 1) * tree_items / threads; ++i)
+        mine.push_back(i * per_head + chunks);
+    }
+    for (const int64_t item : mine) {
       const int64_t h = item / per_head, c = item % per_head;
       const bool is_tree = c == chunks;
       const int64_t start = is_tree ? prefix : c * chunk_size;
