@@ -80,6 +80,35 @@ def test_kernel_merges_many_chunks_and_a_planted_slip_is_caught():
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 5])
+def test_staged_attention_writes_the_new_kv_and_attends_as_the_kernel_does(dtype, n):
+    """One call writes the new tokens' keys/values into the store at [start, start + n)
+    (and nowhere else) and returns what the decode kernel gives over the store's first
+    start + n positions, bit for bit, for a query as the compiled graph hands it (not
+    contiguous); positions past the store's capacity are refused by name."""
+    generator = torch.Generator().manual_seed(n)
+    start, capacity = 300, 320
+    store_k = torch.randn(1, 3, capacity, 64, generator=generator).to(dtype)
+    store_v = torch.randn(1, 3, capacity, 64, generator=generator).to(dtype)
+    before_k, before_v = store_k.clone(), store_v.clone()
+    key = torch.randn(1, 3, n, 64, generator=generator).to(dtype)
+    value = torch.randn(1, 3, n, 64, generator=generator).to(dtype)
+    query = torch.randn(1, n, 9, 64, generator=generator).to(dtype).transpose(1, 2)  # [1, 9, n, 64], strided
+    tree_mask = random_tree_mask(n, generator) if n > 1 else None
+    got = kernels.staged_attention(query, key, value, store_k, store_v, start, start, tree_mask, 0.125, 64)
+    expected_k, expected_v = before_k.clone(), before_v.clone()
+    expected_k[:, :, start : start + n], expected_v[:, :, start : start + n] = key, value
+    assert torch.equal(store_k, expected_k) and torch.equal(store_v, expected_v)
+    want = kernels.decode_attention(query, expected_k[:, :, : start + n], expected_v[:, :, : start + n], start, tree_mask,
+                                    0.125, chunk=64)
+    assert got.shape == (1, n, 9, 64) and got.dtype == dtype and got.is_contiguous()
+    assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="past the store's capacity 320"):
+        kernels.staged_attention(query, key, value, store_k, store_v, capacity - n + 1, capacity - n + 1, tree_mask, 0.125, 64)
+
+
+@needs_kernel
 @pytest.mark.parametrize("name", ["llama-gqa", "qwen2"])
 def test_runner_forwards_take_the_kernel_and_match_the_torch_path(name, monkeypatch):
     """One- and two-token forwards over the store, a full view and a compact view: the

@@ -227,6 +227,20 @@ def decode_attention(
     return out.reshape(1, q_heads, n, dim).transpose(1, 2).to(query.dtype).contiguous()
 
 
+def staged_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, store_keys: torch.Tensor, store_values: torch.Tensor,
+    start: int, prefix: int, tree_mask: torch.Tensor | None, scaling: float, chunk: int,
+) -> torch.Tensor:
+    """One layer of a verify forward in one call: ``key``/``value`` ([1, kv_heads, n, D])
+    written into ``store_keys``/``store_values`` ([1, kv_heads, capacity, D]) at positions
+    ``[start, start + n)``, then :func:`decode_attention` of ``query`` ([1, q_heads, n, D])
+    over positions ``[0, start + n)`` (``prefix``, ``tree_mask``, ``chunk`` as there).
+    Returns [1, n, q_heads, D] in the query's dtype."""
+    return torch.ops.tokenswift_cpu.staged_attention(
+        query, key, value, store_keys, store_values, start, prefix, tree_mask, chunk, float(scaling)
+    )
+
+
 # Rows a few-rows product serves. Measured on a 2-core Sapphire Rapids (AMX path), the
 # 210 bfloat16 products of a SmolLM2-135M forward: 10.0 / 11.3 / 12.9 / 18.7 / 28.1 ms
 # for 1 / 4 / 16 / 32 / 64 rows against 21-23 ms for PyTorch's 1-32 rows and 28.6 for 64.

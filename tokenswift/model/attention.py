@@ -163,14 +163,17 @@ _NEXT_LAYER: list[int] = []
 class _StagedKernel:
     """A verify forward's attention, layer by layer, with what is the same for every layer
     settled once per forward: whether the decode kernel serves it, and the kernel's chunk
-    size. Each layer then joins its new keys and values to the store's staging
-    (:meth:`~tokenswift.model.kv.Staging.join`) and calls the kernel: what
-    :func:`plan_attention` would do, without its per-layer checks. It exists because a
-    compiled step leaves the graph for ``tokenswift::attend`` at every layer: those
-    checks and wrappers took 0.2-0.35 ms of a 9-18 ms SmolLM2 one-token forward, 0-0.5 of a
-    tree of 4 (512-4K positions, two runs in turns; a 2-core AMD EPYC Zen 4, docs/compiled.md)."""
+    size. Each layer then writes its new keys and values into the store's staging (as
+    :meth:`~tokenswift.model.kv.Staging.join` does) and attends, in one call of
+    :func:`~tokenswift.kernels.staged_attention`: what :func:`plan_attention` would do,
+    without its per-layer checks. It exists because a compiled step leaves the graph for
+    ``tokenswift::attend`` at every layer: those checks and wrappers took 0.2-0.35 ms of a
+    9-18 ms SmolLM2 one-token forward, 0-0.5 of a tree of 4 (512-4K positions, two runs in
+    turns; a 2-core AMD EPYC Zen 4, docs/compiled.md); the join and the kernel's wrapper,
+    ten operator calls a layer from Python, another 1.3-2.0 ms of a 24-31 ms forward on a
+    2-core Sapphire Rapids (`benchmarks/results/amx-s27/staged_attention_turns.py`)."""
 
-    __slots__ = ("plan", "store", "mask", "chunk", "dtype")
+    __slots__ = ("plan", "store", "mask", "chunk", "dtype", "prefix")
 
     def __init__(self, plan: ForwardPlan, store: KVStore) -> None:
         self.plan, self.store = plan, store
@@ -178,6 +181,7 @@ class _StagedKernel:
         end = plan.prefix + plan.new_tokens
         self.chunk = kernels.chunk_size(end if self.mask is None else plan.prefix, store.kv_heads)
         self.dtype = store.keys[0].dtype
+        self.prefix = plan.prefix  # the view's committed positions: the new tokens are written after them
 
     @classmethod
     def serving(cls, plan: ForwardPlan, store: KVStore) -> "_StagedKernel | None":
@@ -198,8 +202,10 @@ class _StagedKernel:
     def __call__(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float):
         if query.dtype != self.dtype:  # a prefill computed in another dtype than the stored KV's
             return None
-        keys, values = self.plan.view.join(self.store, layer, key, value)
-        return kernels.decode_attention(query, keys, values, self.plan.prefix, self.mask, scaling, chunk=self.chunk)
+        return kernels.staged_attention(
+            query, key, value, self.store.keys[layer], self.store.values[layer], self.prefix, self.prefix, self.mask,
+            scaling, self.chunk,
+        )
 
 
 # The fast path of tokenswift::attend (_StagedKernel); off, every layer takes the
