@@ -122,6 +122,33 @@ def test_commit_then_continue_equals_recomputing(name, case, data):
     torch.testing.assert_close(out.logits, ref, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("kept", [[0, 2, 5], [1], [3, 4, 6, 7], [0, 1, 2]])
+def test_commit_compacts_the_kept_positions_of_every_layer(native, kept, monkeypatch):
+    """Kept staged positions move to the committed end in every layer's keys and values,
+    in order, through the native kernel or the Python path alike; committed positions
+    before them and the store's other rows are untouched (planted: the kernel moving a
+    row one position late fails)."""
+    from tokenswift import kernels
+    from tokenswift.model import kv
+
+    if native and not kernels.available():
+        pytest.skip("the kernels cannot be built here")
+    monkeypatch.setattr(kv, "NATIVE_COMMIT", native)
+    store = kv.KVStore(num_layers=2, kv_heads=3, head_dim=8, capacity=32, dtype=torch.float32, device="cpu")
+    store.occupy(10)
+    for buf in (*store.keys, *store.values):
+        buf.normal_(generator=torch.Generator().manual_seed(buf.numel() + len(kept)))
+    before = [buf.clone() for buf in (*store.keys, *store.values)]
+    store.staged = 8
+    store.commit(kept)
+    assert store.length == 10 + len(kept) and store.staged == 0
+    for was, now in zip(before, (*store.keys, *store.values)):
+        expected = was.clone()
+        expected[:, :, 10 : 10 + len(kept)] = was[:, :, [10 + i for i in kept]]
+        assert torch.equal(now, expected)
+
+
 def test_commit_rejects_positions_outside_staging():
     runner = Runner(tiny_model_for("llama-mha"))
     runner.allocate(16)

@@ -26,6 +26,11 @@ from collections.abc import Sequence
 import attrs
 import torch
 
+from tokenswift import kernels
+
+# Kept positions compacted by the native kernel where it is built (tests compare the two paths).
+NATIVE_COMMIT = True
+
 
 class KVStore:
     """Per-layer key/value buffers ``[1, kv_heads, capacity, head_dim]``, allocated once."""
@@ -100,10 +105,15 @@ class KVStore:
             if any(b <= a for a, b in zip(kept, kept[1:])):
                 raise ValueError(f"commit: kept positions must be strictly ascending, got {kept}")
             if kept != list(range(k)):  # the kept tokens are not already where they belong
-                src = torch.tensor(kept, dtype=torch.long, device=self.keys[0].device) + self.length
-                for buf in (*self.keys, *self.values):
-                    # index_select copies first, so overlapping source/destination is safe.
-                    buf[:, :, self.length : self.length + k] = buf.index_select(2, src)
+                if NATIVE_COMMIT and self.keys[0].device.type == "cpu" and kernels.available():
+                    # every buffer in one call: an index_select and a copy per buffer took
+                    # ~0.5 ms a step for SmolLM2's 60 (a 2-core Sapphire Rapids)
+                    torch.ops.tokenswift_cpu.compact_positions([*self.keys, *self.values], kept, self.length)
+                else:
+                    src = torch.tensor(kept, dtype=torch.long, device=self.keys[0].device) + self.length
+                    for buf in (*self.keys, *self.values):
+                        # index_select copies first, so overlapping source/destination is safe.
+                        buf[:, :, self.length : self.length + k] = buf.index_select(2, src)
         self.length += k
         self.staged = 0
 
