@@ -96,7 +96,7 @@ def test_staged_attention_writes_the_new_kv_and_attends_as_the_kernel_does(dtype
     value = torch.randn(1, 3, n, 64, generator=generator).to(dtype)
     query = torch.randn(1, n, 9, 64, generator=generator).to(dtype).transpose(1, 2)  # [1, 9, n, 64], strided
     tree_mask = random_tree_mask(n, generator) if n > 1 else None
-    got = kernels.staged_attention(query, key, value, store_k, store_v, start, start, tree_mask, 0.125, 64)
+    got = kernels.staged_attention(query, key, value, store_k, store_v, start, tree_mask, 0.125, 64)
     expected_k, expected_v = before_k.clone(), before_v.clone()
     expected_k[:, :, start : start + n], expected_v[:, :, start : start + n] = key, value
     assert torch.equal(store_k, expected_k) and torch.equal(store_v, expected_v)
@@ -105,7 +105,7 @@ def test_staged_attention_writes_the_new_kv_and_attends_as_the_kernel_does(dtype
     assert got.shape == (1, n, 9, 64) and got.dtype == dtype and got.is_contiguous()
     assert torch.equal(got, want)
     with pytest.raises(RuntimeError, match="past the store's capacity 320"):
-        kernels.staged_attention(query, key, value, store_k, store_v, capacity - n + 1, capacity - n + 1, tree_mask, 0.125, 64)
+        kernels.staged_attention(query, key, value, store_k, store_v, capacity - n + 1, tree_mask, 0.125, 64)
 
 
 @needs_kernel

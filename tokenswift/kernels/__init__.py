@@ -216,28 +216,22 @@ def decode_attention(
     :func:`chunk_size`, for a caller that settles it once for many layers). Returns
     [1, n, q_heads, D] in the query's dtype; the softmax in float32 (float64 for float64
     queries)."""
-    _, q_heads, n, dim = query.shape
-    kv_heads = key.shape[1]
-    folded = query.reshape(kv_heads, (q_heads // kv_heads) * n, dim)
-    if folded.dtype not in (torch.float32, torch.float64, torch.bfloat16):
-        folded = folded.float()
     if chunk is None:
-        chunk = chunk_size(key.shape[2] if tree_mask is None else prefix, kv_heads)
-    out = torch.ops.tokenswift_cpu.decode_attention(folded.contiguous(), key, value, prefix, tree_mask, chunk, float(scaling))
-    return out.reshape(1, q_heads, n, dim).transpose(1, 2).to(query.dtype).contiguous()
+        chunk = chunk_size(key.shape[2] if tree_mask is None else prefix, key.shape[1])
+    return torch.ops.tokenswift_cpu.decode_attention_heads(query, key, value, prefix, tree_mask, chunk, float(scaling))
 
 
 def staged_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, store_keys: torch.Tensor, store_values: torch.Tensor,
-    start: int, prefix: int, tree_mask: torch.Tensor | None, scaling: float, chunk: int,
+    prefix: int, tree_mask: torch.Tensor | None, scaling: float, chunk: int,
 ) -> torch.Tensor:
     """One layer of a verify forward in one call: ``key``/``value`` ([1, kv_heads, n, D])
     written into ``store_keys``/``store_values`` ([1, kv_heads, capacity, D]) at positions
-    ``[start, start + n)``, then :func:`decode_attention` of ``query`` ([1, q_heads, n, D])
-    over positions ``[0, start + n)`` (``prefix``, ``tree_mask``, ``chunk`` as there).
-    Returns [1, n, q_heads, D] in the query's dtype."""
+    ``[prefix, prefix + n)``, then :func:`decode_attention` of ``query`` ([1, q_heads, n, D])
+    over positions ``[0, prefix + n)`` (``tree_mask``, ``chunk`` as there). Returns [1, n,
+    q_heads, D] in the query's dtype."""
     return torch.ops.tokenswift_cpu.staged_attention(
-        query, key, value, store_keys, store_values, start, prefix, tree_mask, chunk, float(scaling)
+        query, key, value, store_keys, store_values, prefix, tree_mask, chunk, float(scaling)
     )
 
 

@@ -1183,34 +1183,44 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, cons
   return out;
 }
 
-// One layer of a verify forward's attention, what the Python fast path
-// (tokenswift.model.attention._StagedKernel) did in ten operator calls: the new tokens'
-// key/value ([1, H_kv, n, D]) written into the store's layer (store_keys/store_values
-// [1, H_kv, capacity, D]) at [start, start + n), then query ([1, H_q, n, D]) attended
-// over its positions [0, start + n) by decode_attention. Returns [1, n, H_q, D] in the
-// query's dtype. On a 2-core Sapphire Rapids, compiled SmolLM2 forwards at 2K positions
-// in turns in one process: 1 token 24.0-24.4 ms against 25.3-26.1 through the Python path,
-// a 5-token tree 28.4-29.5 against 30.5-31.0 (its ten calls a layer ~40 us, this one ~12).
-at::Tensor staged_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                            at::Tensor store_keys, at::Tensor store_values, int64_t start, int64_t prefix,
-                            const c10::optional<at::Tensor>& tree_mask, int64_t chunk_size, double scale) {
-  TORCH_CHECK(query.dim() == 4 && query.size(0) == 1 && key.dim() == 4 && key.sizes() == value.sizes(),
-              "staged_attention: query must be [1, H_q, n, D], key/value [1, H_kv, n, D]");
+// decode_attention for a query as a layer hands it ([1, H_q, n, D], any strides, any
+// floating dtype): its query heads folded into each KV head's rows, the result back as
+// [1, n, H_q, D] in the query's dtype (tokenswift.kernels.decode_attention, and
+// staged_attention, in one operator call each).
+at::Tensor decode_attention_heads(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, int64_t prefix,
+                                  const c10::optional<at::Tensor>& tree_mask, int64_t chunk_size, double scale) {
+  TORCH_CHECK(query.dim() == 4 && query.size(0) == 1 && key.dim() == 4, "decode_attention: query must be [1, H_q, n, D]");
   const int64_t q_heads = query.size(1), n = query.size(2), D = query.size(3), kv_heads = key.size(1);
-  TORCH_CHECK(key.size(2) == n && key.size(3) == D && kv_heads > 0 && q_heads % kv_heads == 0,
-              "staged_attention: query and key/value shapes disagree");
-  TORCH_CHECK(store_keys.dim() == 4 && store_keys.sizes() == store_values.sizes() && store_keys.size(1) == kv_heads,
-              "staged_attention: the store's keys/values must be [1, H_kv, capacity, D]");
-  TORCH_CHECK(start >= 0 && start + n <= store_keys.size(2),
-              "staged_attention: positions [", start, ", ", start + n, ") past the store's capacity ", store_keys.size(2));
-  store_keys.slice(2, start, start + n).copy_(key);
-  store_values.slice(2, start, start + n).copy_(value);
+  TORCH_CHECK(kv_heads > 0 && q_heads % kv_heads == 0, "decode_attention: query heads must be a multiple of the KV heads");
   at::Tensor folded = query.reshape({kv_heads, (q_heads / kv_heads) * n, D});
   const auto dtype = folded.scalar_type();
   if (dtype != at::kFloat && dtype != at::kDouble && dtype != at::kBFloat16) folded = folded.to(at::kFloat);
-  at::Tensor out = decode_attention(folded.contiguous(), store_keys.slice(2, 0, start + n),
-                                    store_values.slice(2, 0, start + n), prefix, tree_mask, chunk_size, scale);
+  at::Tensor out = decode_attention(folded.contiguous(), key, value, prefix, tree_mask, chunk_size, scale);
   return out.reshape({1, q_heads, n, D}).transpose(1, 2).to(query.scalar_type()).contiguous();
+}
+
+// One layer of a verify forward's attention, what the Python fast path
+// (tokenswift.model.attention._StagedKernel) did in ten operator calls: the new tokens'
+// key/value ([1, H_kv, n, D]) written into the store's layer (store_keys/store_values
+// [1, H_kv, capacity, D]) at [prefix, prefix + n), then query ([1, H_q, n, D]) attended
+// over positions [0, prefix + n) by decode_attention_heads. On a 2-core Sapphire Rapids,
+// compiled SmolLM2 forwards at 2K positions in turns in one process: 1 token 24.0-24.4 ms
+// against 25.3-26.1 through the Python path, a 5-token tree 28.4-29.5 against 30.5-31.0
+// (its ten calls a layer ~40 us, this one ~12).
+at::Tensor staged_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                            at::Tensor store_keys, at::Tensor store_values, int64_t prefix,
+                            const c10::optional<at::Tensor>& tree_mask, int64_t chunk_size, double scale) {
+  TORCH_CHECK(key.dim() == 4 && key.sizes() == value.sizes() && query.dim() == 4 && key.size(2) == query.size(2),
+              "staged_attention: key/value must be [1, H_kv, n, D] for the query's n tokens");
+  const int64_t n = key.size(2);
+  TORCH_CHECK(store_keys.dim() == 4 && store_keys.sizes() == store_values.sizes() && store_keys.size(1) == key.size(1),
+              "staged_attention: the store's keys/values must be [1, H_kv, capacity, D]");
+  TORCH_CHECK(prefix >= 0 && prefix + n <= store_keys.size(2),
+              "staged_attention: positions [", prefix, ", ", prefix + n, ") past the store's capacity ", store_keys.size(2));
+  store_keys.slice(2, prefix, prefix + n).copy_(key);
+  store_values.slice(2, prefix, prefix + n).copy_(value);
+  return decode_attention_heads(query, store_keys.slice(2, 0, prefix + n), store_values.slice(2, 0, prefix + n), prefix,
+                                tree_mask, chunk_size, scale);
 }
 
 // A step's kept positions compacted in every layer's keys and values at once: in each
@@ -1219,13 +1229,14 @@ at::Tensor staged_attention(const at::Tensor& query, const at::Tensor& key, cons
 // overwrites a row still to be moved. What KVStore.commit did with an index_select and a
 // copy per buffer (60 for SmolLM2, ~0.5 ms a step).
 void compact_positions(at::TensorList buffers, at::IntArrayRef kept, int64_t length) {
+  for (size_t i = 0; i < kept.size(); ++i)
+    TORCH_CHECK(kept[i] >= static_cast<int64_t>(i) && (i == 0 || kept[i] > kept[i - 1]),
+                "compact_positions: kept must be ascending staged positions");
   for (const at::Tensor& buf : buffers) {
     TORCH_CHECK(buf.dim() == 4 && buf.size(0) == 1 && buf.stride(3) == 1 && buf.device().is_cpu(),
                 "compact_positions: buffers must be [1, H, capacity, D] on the CPU with rows of D contiguous");
-    const int64_t capacity = buf.size(2), row_bytes = buf.size(3) * static_cast<int64_t>(buf.element_size());
-    for (size_t i = 0; i < kept.size(); ++i)
-      TORCH_CHECK(kept[i] >= static_cast<int64_t>(i) && length + kept[i] < capacity && (i == 0 || kept[i] > kept[i - 1]),
-                  "compact_positions: kept must be ascending staged positions within the buffer");
+    const int64_t row_bytes = buf.size(3) * static_cast<int64_t>(buf.element_size());
+    TORCH_CHECK(kept.empty() || length + kept.back() < buf.size(2), "compact_positions: kept positions past the buffer");
     char* base = static_cast<char*>(buf.data_ptr());
     const int64_t head_bytes = buf.stride(1) * static_cast<int64_t>(buf.element_size());
     const int64_t pos_bytes = buf.stride(2) * static_cast<int64_t>(buf.element_size());
@@ -1241,13 +1252,15 @@ void compact_positions(at::TensorList buffers, at::IntArrayRef kept, int64_t len
 
 TORCH_LIBRARY(tokenswift_cpu, m) {
   m.def("decode_attention(Tensor query, Tensor key, Tensor value, int prefix, Tensor? tree_mask, int chunk_size, float scale) -> Tensor");
+  m.def("decode_attention_heads(Tensor query, Tensor key, Tensor value, int prefix, Tensor? tree_mask, int chunk_size, float scale) -> Tensor");
   m.def("staged_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) store_keys, Tensor(b!) store_values, "
-        "int start, int prefix, Tensor? tree_mask, int chunk_size, float scale) -> Tensor");
+        "int prefix, Tensor? tree_mask, int chunk_size, float scale) -> Tensor");
   m.def("compact_positions(Tensor(a!)[] buffers, int[] kept, int length) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tokenswift_cpu, CPU, m) {
   m.impl("decode_attention", &decode_attention);
+  m.impl("decode_attention_heads", &decode_attention_heads);
   m.impl("staged_attention", &staged_attention);
   m.impl("compact_positions", &compact_positions);
 }

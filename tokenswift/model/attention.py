@@ -203,8 +203,8 @@ class _StagedKernel:
         if query.dtype != self.dtype:  # a prefill computed in another dtype than the stored KV's
             return None
         return kernels.staged_attention(
-            query, key, value, self.store.keys[layer], self.store.values[layer], self.prefix, self.prefix, self.mask,
-            scaling, self.chunk,
+            query, key, value, self.store.keys[layer], self.store.values[layer], self.prefix, self.mask, scaling,
+            self.chunk,
         )
 
 
