@@ -645,6 +645,38 @@ def test_a_tree_timed_at_two_contexts_is_priced_along_its_own_growth():
     assert loaded.tree_far_compiled_ms == () and loaded.tree_compiled_seconds_at(4, 32768) is None
 
 
+def test_past_the_far_context_a_tree_keeps_its_ratio_to_one_token_measured_there():
+    """Where the one-token step was timed at the far context too, a tree past it is
+    priced at the ratio to a one-token forward measured there (both then read the KV),
+    not on the line through its two timings, whose noise grows with the distance (a
+    2-token tree at 32K priced 27% above one token on a Zen 4, 6-8% measured); up to
+    the far context, and without the one-token far time, as before."""
+    import attrs
+
+    from tokenswift.compiling import CompileCalibration
+    from tokenswift.costs import CostModel
+    from tests.test_speculation import calibration
+
+    measured = CompileCalibration(
+        key="k", machine="m", contexts=(256, 2048), eager_ms=(20.0, 24.0), compiled_ms=(10.0, 13.0), compile_seconds=1.0,
+        tree_sizes=(2, 4), tree_eager_ms=(30.0, 32.0), tree_compiled_ms=(12.5, 14.0),
+        tree_far_context=8192, tree_far_compiled_ms=(21.0, 27.0), far_compiled_ms=19.0,
+    )
+    costs = CostModel(attrs.evolve(calibration(2.0), head_ms=1.0), compiled_size=lambda n: n)
+    costs.use_compile_calibration(measured)
+    one = costs.forward_seconds(1, 32768)
+    assert one == pytest.approx(0.012 + 0.006 * 5)  # 13 -> 19 ms with the head row from 2K to 8K, less it
+    assert costs.forward_seconds(2, 32768) == pytest.approx(one * 21 / 18)
+    assert costs.forward_seconds(4, 32768) == pytest.approx(one * 27 / 18)
+    assert costs.forward_seconds(3, 32768) == pytest.approx(one * 24 / 18)  # between the measured sizes
+    # at and below the far context: on the line through the two timings
+    assert costs.forward_seconds(2, 8192) == pytest.approx(0.021)
+    assert costs.forward_seconds(2, 5120) == pytest.approx((0.0125 + 0.021) / 2)
+    # without the one-token far time: along the tree's own line, as before
+    costs.use_compile_calibration(attrs.evolve(measured, far_compiled_ms=0.0))
+    assert costs.forward_seconds(2, 32768) == pytest.approx(0.0125 + 0.0085 * (32768 - 2048) / 6144)
+
+
 def test_a_one_token_step_is_priced_from_the_compiled_times_the_trees_are_priced_from():
     """A compiled one-token forward is priced at the compile calibration's compiled time,
     less the LM-head row it includes, whatever its eager times were (a noisy eager time

@@ -71,7 +71,7 @@ class CostModel:
             return self._one_token_compiled(context, eager)
         if size is None:
             return eager
-        along = self.compile_calibration.tree_compiled_seconds_at(size, context)
+        along = self._tree_along(size, context)
         if along is not None:  # measured at two contexts: along its own growth
             return along
         measured = self.compile_calibration.tree_compiled_seconds(size)
@@ -86,6 +86,25 @@ class CostModel:
         at = self.compile_calibration.contexts[-1]
         moved = self.calibration.forward_seconds(size, context) - self.calibration.forward_seconds(size, at)
         return max(measured + moved, 0.2 * eager)
+
+    def _tree_along(self, size: int, context: int) -> float | None:
+        """A compiled tree of ``size`` tokens timed at two contexts: on the line through
+        them up to the far one; past it, at the ratio to a one-token forward measured
+        there (where the one-token forward was timed there too), both then dominated
+        by reading the KV. Extrapolated along the line, two single timings' noise grows
+        with the distance: on a 2-core AMD EPYC Zen 4 (2K and 8K timed) a 2-token tree
+        at 32K was priced 27% above one token where the run's forwards took 6-8% more,
+        a 4-token one 37% (39% measured), and ``tokenswift`` verified nothing in most
+        of its first 60 steps (0.99x ``ar`` over them, 1.21x after)."""
+        calibration = self.compile_calibration
+        far = calibration.tree_far_context
+        if context <= far or calibration.far_compiled_ms <= 0 or self.calibration.head_ms is None:
+            return calibration.tree_compiled_seconds_at(size, context)
+        at_far = calibration.tree_compiled_seconds_at(size, far)
+        if at_far is None:
+            return None
+        one_far = self._one_token_compiled(far, self.calibration.forward_seconds(1, far))
+        return at_far * self._one_token_compiled(context, self.calibration.forward_seconds(1, context)) / one_far
 
     def _one_token_compiled(self, context: int, eager: float) -> float:
         """A compiled one-token forward at ``context``: the compile calibration's own
