@@ -721,9 +721,10 @@ inline void accumulate_pairs(const uint16_t* pb, int64_t lenp, const c10::BFloat
     }
 }
 
-// Rows of a KV head from which a bfloat16 chunk without AMX takes the pairs paths
-// (logits_pairs, accumulate_pairs; the probabilities rounded to bfloat16 for the value
-// products, as PyTorch's bfloat16 attention and the AMX path round them). Measured on
+// Rows of a KV head from which a bfloat16 chunk without AMX takes the pairs path for
+// its logits (logits_pairs; its values take pairs from kPairValueRows, below, with the
+// probabilities rounded to bfloat16, as PyTorch's bfloat16 attention and the AMX path
+// round them). Measured, before the values' own threshold, on
 // a 2-core AMD EPYC Zen 4 (AVX512-BF16), 30 layers of bfloat16 KV, ms against the
 // per-row path: over 32K keys 1 token (3 rows) 29.5-30.0 vs 27.3-27.5, 2 tokens 32.1-32.4
 // vs 30.0-30.6, 3 tokens 37.7-38.1 vs 41.2-41.6, 4 / 8 / 16 tokens 42.9 / 69.0 / 121.8
