@@ -498,6 +498,13 @@ void forget_packed_weights() {
 }
 
 #if defined(__AVX512BF16__)
+// Each block's stream is prefetched this many 64-byte vectors (2 KB) ahead: the hardware's
+// prefetch alone left the memory idle between a tile's bursts. Measured on a 2-core Intel
+// Xeon with AVX512-BF16 and no AMX (SmolLM2-135M's 210 products in a compiled forward at
+// 2K positions, in turns): forwards of 1 / 2 / 4 tokens 0.89-0.93x / 0.89-0.91x /
+// 0.86-0.90x the time without; 128 or more vectors ahead gained little or nothing.
+constexpr int64_t kPackedPrefetch = 32;
+
 // R rows of x (P pairs each) against B blocks of 16 outputs, written to y (row stride O)
 // from output o0 on, `valid` of them (the rest of the last block is dropped), bias added.
 template <int R, int B>
@@ -508,6 +515,8 @@ inline void packed_tile(const c10::BFloat16* x, int64_t K, const uint32_t* w, in
     for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
   for (int64_t p = 0; p < P; ++p) {
     __m512bh wv[B];
+    for (int b = 0; b < B; ++b)
+      _mm_prefetch(reinterpret_cast<const char*>(w + (b * P + p + kPackedPrefetch) * 16), _MM_HINT_T0);
     for (int b = 0; b < B; ++b) wv[b] = (__m512bh)_mm512_loadu_si512(w + (b * P + p) * 16);
     for (int r = 0; r < R; ++r) {
       uint32_t pair;
