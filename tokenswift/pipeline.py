@@ -33,7 +33,7 @@ from tokenswift.detok import IncrementalDecoder
 from tokenswift.errors import PromptError, SpecError
 from tokenswift.interfaces import BuildContext
 from tokenswift.memory import WORKING_SLACK, MemoryEstimate, available_bytes, gib
-from tokenswift.model.dtypes import prefill_dtype
+from tokenswift.model.dtypes import prefill_dtype, prefill_min_tokens
 from tokenswift.model.loading import load_model
 from tokenswift.model.runner import Runner
 from tokenswift.prompts import COUNT_CHUNK_CHARS, chat_template_text, check_text, run_end_ids, tokens_at_least
@@ -116,7 +116,10 @@ class Pipeline:
         self.plugin_manager = plugin_manager
         self.runner = Runner(model)
         prefill_choice = spec.model.prefill_dtype if spec.model is not None else "auto"
-        self.runner.use_prefill_dtype(prefill_dtype(prefill_choice, self.runner.dtype, self.runner.device))
+        self.runner.use_prefill_dtype(
+            prefill_dtype(prefill_choice, self.runner.dtype, self.runner.device),
+            prefill_min_tokens(prefill_choice, self.runner.dtype, self.runner.device),
+        )
         context = BuildContext(spec=spec, runner=self.runner, tokenizer=tokenizer)
         # Built in dependency order: the others score positions with the penalty.
         self.penalty = registry.build("penalty", spec.penalty, context)

@@ -150,6 +150,7 @@ class Runner:
         # decide whether compiling them pays
         self.tree_trial = None
         self.prefill_dtype = self.dtype  # see use_prefill_dtype
+        self.prefill_min_tokens = 0
         self.kernel_linears = False  # see use_kernel_linears
         self.use_kernel_linears(self.tp_size == 1 and kernels.linears_by_default(self.dtype, self.device))
 
@@ -237,20 +238,25 @@ class Runner:
             return tokens  # no padding: the graph is of every size
         return padded
 
-    def use_prefill_dtype(self, dtype: torch.dtype) -> None:
-        """Compute prompt prefills (:meth:`prefill`) in ``dtype`` with a copy of the
-        model made for the prefill and dropped after it; the KV is stored, and the
-        hidden states returned, in the model's dtype (see
-        :func:`tokenswift.model.dtypes.prefill_dtype`)."""
+    def use_prefill_dtype(self, dtype: torch.dtype, min_tokens: int = 0) -> None:
+        """Compute prompt prefills (:meth:`prefill`) of at least ``min_tokens`` tokens in
+        ``dtype`` with a copy of the model made for the prefill and dropped after it
+        (shorter ones in the model's dtype); the KV is stored, and the hidden states
+        returned, in the model's dtype (see :func:`tokenswift.model.dtypes.prefill_dtype`
+        and :func:`~tokenswift.model.dtypes.prefill_min_tokens`)."""
         if dtype != self.dtype and self.tp_size != 1:
             raise ValueError("a prefill dtype other than the model's is not supported under tensor parallelism")
+        if min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {min_tokens}")
         self.prefill_dtype = dtype
+        self.prefill_min_tokens = int(min_tokens)
 
     @contextlib.contextmanager
-    def _prefilling(self):
-        """Forwards inside run on the prefill dtype's copy of the model (eager, plain
-        products), where that differs from the model's dtype."""
-        if self.prefill_dtype == self.dtype:
+    def _prefilling(self, tokens: int):
+        """Forwards inside (a prefill of ``tokens`` tokens) run on the prefill dtype's copy
+        of the model (eager, plain products), where that differs from the model's dtype
+        and the prompt is long enough (:attr:`prefill_min_tokens`)."""
+        if self.prefill_dtype == self.dtype or tokens < self.prefill_min_tokens:
             yield
             return
         started = time.perf_counter()
@@ -495,7 +501,7 @@ class Runner:
         of decoder ``layers`` (:func:`features`: [m, (len(layers) + 1) * hidden_size])."""
         tokens = torch.as_tensor(tokens, dtype=torch.long)
         kept = None
-        with self._prefilling():
+        with self._prefilling(int(tokens.numel())):
             for start in range(0, int(tokens.numel()), chunk_size):
                 chunk = tokens[start : start + chunk_size]
                 out = self.forward(chunk, logits_rows=None, layers=layers, compiled_tree=False)
