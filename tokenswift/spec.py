@@ -307,7 +307,9 @@ class ModelSpec:
     compile: str | bool = attrs.field(default="auto", converter=_compile)
     # The dtype the prompt's prefill computes in (tokenswift.model.dtypes.prefill_dtype):
     # "auto" is float32 for a bfloat16 model on a CPU without native bfloat16 (a 2K
-    # prefill 5x faster there), else the model's own; the KV is stored in the model's.
+    # prefill 5x faster there), and on one with AVX512-BF16 but no AMX for prompts of
+    # 256+ tokens where a probe measures float32 faster; else the model's own. The KV is
+    # stored in the model's dtype.
     prefill_dtype: str = attrs.field(default="auto", validator=lambda i, a, v: _prefill_dtype(v))
 
     def __attrs_post_init__(self):
