@@ -55,33 +55,30 @@ FLOAT32_MARGIN = 1.2
 TWIN_MIN_TOKENS = 256
 
 
-def one_row_milliseconds(dtype: torch.dtype, repeats: int = 5) -> float:
-    """Least time of a one-row product through every probe matrix, in ms."""
+def _product_milliseconds(dtype: torch.dtype, rows: int, matrices: int, repeats: int) -> float:
+    """Least time, in ms, of a ``rows``-row product through ``matrices`` probe matrices
+    (the first of ``repeats + 1`` rounds left out: it warms up)."""
     generator = torch.Generator().manual_seed(0)
-    weights = [torch.randn(PROBE_SHAPE, generator=generator).to(dtype) for _ in range(PROBE_MATRICES)]
-    row = torch.randn(1, PROBE_SHAPE[1], generator=generator).to(dtype)
+    weights = [torch.randn(PROBE_SHAPE, generator=generator).to(dtype) for _ in range(matrices)]
+    x = torch.randn(rows, PROBE_SHAPE[1], generator=generator).to(dtype)
     times = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
         for weight in weights:
-            torch.nn.functional.linear(row, weight)
+            torch.nn.functional.linear(x, weight)
         times.append(time.perf_counter() - start)
     return 1000 * min(times[1:])
+
+
+def one_row_milliseconds(dtype: torch.dtype, repeats: int = 5) -> float:
+    """Least time of a one-row product through every probe matrix, in ms."""
+    return _product_milliseconds(dtype, 1, PROBE_MATRICES, repeats)
 
 
 def many_rows_milliseconds(dtype: torch.dtype, repeats: int = 3) -> float:
     """Least time of a :data:`PROBE_ROWS`-row product through :data:`PROBE_ROW_MATRICES`
     probe matrices, in ms."""
-    generator = torch.Generator().manual_seed(0)
-    weights = [torch.randn(PROBE_SHAPE, generator=generator).to(dtype) for _ in range(PROBE_ROW_MATRICES)]
-    rows = torch.randn(PROBE_ROWS, PROBE_SHAPE[1], generator=generator).to(dtype)
-    times = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        for weight in weights:
-            torch.nn.functional.linear(rows, weight)
-        times.append(time.perf_counter() - start)
-    return 1000 * min(times[1:])
+    return _product_milliseconds(dtype, PROBE_ROWS, PROBE_ROW_MATRICES, repeats)
 
 
 def _cached_choice(name: str, field: str, device: torch.device, measure, choose) -> str:
