@@ -48,12 +48,29 @@ def test_a_refusal_counting_packed_weights_says_how_to_go_without_them(monkeypat
     pipe = Pipeline.from_spec("ar", tiny_model_for("llama-mha", "float32"))
     monkeypatch.setattr(pipeline_module, "available_bytes", lambda device: 10 * 2**20)
     monkeypatch.setattr(pipe.runner, "packed_bytes", lambda: 3 * 2**20)
-    with pytest.raises(ValueError, match=r"packed weights 0.00 GiB\).* or set TOKENSWIFT_LINEARS=torch to multiply"):
+    with pytest.raises(ValueError, match=r"packed weights 0.00 GiB, the prefill's copy of the model 0.00 GiB\).* or set TOKENSWIFT_LINEARS=torch to multiply"):
         pipe.generate([1, 2, 3], 100_000)
     monkeypatch.setattr(pipe.runner, "packed_bytes", lambda: 0)
     with pytest.raises(ValueError) as refused:
         pipe.generate([1, 2, 3], 100_000)
     assert "TOKENSWIFT_LINEARS" not in str(refused.value)
+
+
+def test_the_estimate_counts_the_prefills_copy_of_the_model_for_long_prompts_only():
+    """A prefill in another dtype runs on a copy of the model held while the KV store is:
+    counted for prompts the copy is made for (prefill_min_tokens), not for shorter ones."""
+    from tokenswift.memory import parameter_bytes
+
+    model = tiny_model_for("llama-gqa", "float32")
+    pipe = Pipeline.from_spec({"preset": "ar", "model": {"prefill_dtype": "float64"}}, model)
+    pipe.runner.use_prefill_dtype(torch.float64, min_tokens=11)
+    short = pipe.estimate_memory(10, 4)
+    assert short.prefill_copy_bytes == 0
+    pipe.runner.use_prefill_dtype(torch.float64, min_tokens=10)
+    long = pipe.estimate_memory(10, 4)
+    assert long.prefill_copy_bytes == 2 * parameter_bytes(model)  # float64: twice float32's bytes
+    assert long.total_bytes == short.total_bytes + long.prefill_copy_bytes
+    assert Pipeline.from_spec("ar", model).estimate_memory(10, 4).prefill_copy_bytes == 0  # float32 prefills itself
 
 
 class NaNAfter(Penalty):

@@ -50,10 +50,11 @@ class MemoryEstimate:
     view_bytes: int  # a partial drafting view's own buffers
     working_bytes: int  # logits of one tree, activations, slack
     packed_bytes: int = 0  # the few-rows kernel's packed weight copies not made yet
+    prefill_copy_bytes: int = 0  # the model's copy in the prefill dtype, held during the prefill
 
     @property
     def total_bytes(self) -> int:
-        return self.kv_bytes + self.view_bytes + self.working_bytes + self.packed_bytes
+        return self.kv_bytes + self.view_bytes + self.working_bytes + self.packed_bytes + self.prefill_copy_bytes
 
 
 def available_bytes(device: torch.device) -> int | None:

@@ -284,6 +284,7 @@ class Pipeline:
             view_bytes=runner.kv_bytes(view_positions),
             working_bytes=WORKING_SLACK + 2 * self.max_tree_nodes() * runner.vocab_size * 4,
             packed_bytes=runner.packed_bytes(),
+            prefill_copy_bytes=runner.prefill_copy_bytes(prompt_tokens),
         )
 
     def _check_memory(self, prompt_tokens: int, max_new_tokens: int, *, name: str = "max_new_tokens") -> None:
@@ -296,7 +297,8 @@ class Pipeline:
             raise ValueError(
                 f"this run needs about {gib(estimate.total_bytes)} (KV store for {estimate.positions} positions "
                 f"{gib(estimate.kv_bytes)}, drafting view {gib(estimate.view_bytes)}, packed weights "
-                f"{gib(estimate.packed_bytes)}), but only {gib(free)} is "
+                f"{gib(estimate.packed_bytes)}, the prefill's copy of the model {gib(estimate.prefill_copy_bytes)}), "
+                f"but only {gib(free)} is "
                 f"available; lower {name} ({max_new_tokens}) or the cache budget"
                 + ("" if not estimate.packed_bytes else
                    f", or set {kernels.LINEARS_ENV}=torch to multiply by the weights as stored")

@@ -251,12 +251,26 @@ class Runner:
         self.prefill_dtype = dtype
         self.prefill_min_tokens = int(min_tokens)
 
+    def prefill_copies(self, tokens: int) -> bool:
+        """Whether a prefill of ``tokens`` tokens runs on a copy of the model in
+        :attr:`prefill_dtype`: where that differs from the model's dtype and the prompt is
+        long enough (:attr:`prefill_min_tokens`)."""
+        return self.prefill_dtype != self.dtype and tokens >= self.prefill_min_tokens
+
+    def prefill_copy_bytes(self, tokens: int) -> int:
+        """Bytes the copy of the model a prefill of ``tokens`` tokens makes (0: it runs on
+        the model itself): its parameters and buffers in :attr:`prefill_dtype`."""
+        if not self.prefill_copies(tokens):
+            return 0
+        size = torch.empty((), dtype=self.prefill_dtype).element_size()
+        return sum(t.numel() * (size if t.is_floating_point() else t.element_size())
+                   for t in (*self.model.parameters(), *self.model.buffers()))
+
     @contextlib.contextmanager
     def _prefilling(self, tokens: int):
         """Forwards inside (a prefill of ``tokens`` tokens) run on the prefill dtype's copy
-        of the model (eager, plain products), where that differs from the model's dtype
-        and the prompt is long enough (:attr:`prefill_min_tokens`)."""
-        if self.prefill_dtype == self.dtype or tokens < self.prefill_min_tokens:
+        of the model (eager, plain products) where :meth:`prefill_copies`."""
+        if not self.prefill_copies(tokens):
             yield
             return
         started = time.perf_counter()
