@@ -1,5 +1,5 @@
 """A 2K prompt prefilled in bfloat16 and in float32 (the float32 copy of the model made in
-each prefill, as the runner makes it), in turns in one process. Usage: prefill_turns.py [POSITIONS]"""
+each prefill, as the runner makes it), in turns in one process. Usage: prefill_turns.py [POSITIONS [ROUNDS]]"""
 import time, statistics, torch, sys
 from tokenswift.model.loading import load_model
 from tokenswift.model.runner import Runner
@@ -11,7 +11,7 @@ runner = Runner(model)
 prompt = torch.tensor(prompt_tokens_for(tok, ctx, None))
 runner.allocate(ctx + 64)
 ts = {torch.bfloat16: [], torch.float32: []}
-for r in range(4):
+for r in range(int(sys.argv[2]) if len(sys.argv) > 2 else 4):
     for dt in (ts if r % 2 == 0 else list(ts)[::-1]):
         runner.use_prefill_dtype(dt)
         runner.reset() if hasattr(runner, "reset") else None
